@@ -1,0 +1,36 @@
+"""Test configuration. With no GPU, Triton kernels run under the interpreter: the variable
+must be set before any module that defines a ``@triton.jit`` function is imported, so it is
+set here, at collection start, and nothing above imports a kernel module."""
+
+import os
+import shutil
+
+
+def _has_cuda_gpu() -> bool:
+    # Ask the driver, not torch: importing torch.cuda here is fine, but a CPU build of torch
+    # answers False either way, and nvidia-smi is what says whether a GPU exists at all.
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return shutil.which("nvidia-smi") is not None
+
+
+if not _has_cuda_gpu():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture
+def cuda_device():
+    return torch.device("cuda")
