@@ -1,0 +1,9 @@
+"""muon-offload: Muon and AdamW whose optimizer state lives in pinned host memory and streams
+through the GPU in chunks inside ``step()``, updated by fused Triton kernels."""
+
+from .adamw import AdamW
+from .engine import DEFAULT_CHUNK_BYTES
+from .muon import Muon
+
+__all__ = ["AdamW", "DEFAULT_CHUNK_BYTES", "Muon"]
+__version__ = "0.1.0"

@@ -1,0 +1,418 @@
+"""The optimizer engine shared by ``Muon`` and ``AdamW``.
+
+A step runs in four stages:
+1. read and check every group and gradient (nothing is touched before this passes);
+2. create missing state: in pinned host slabs (offloaded) or on the parameters' device
+   (resident), in the planner's order so each chunk's state is mostly one contiguous range;
+3. plan: units and chunks of at most ``chunk_bytes`` of state (cached while the set of
+   parameters with gradients stays the same);
+4. run the chunks through the scheduler: load, update with the fused kernels, store back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from . import ops
+from .groups import Hyper, adjusted_lr, check_grad, split_lr_scales
+from .host_state import HostSlabs
+from .planner import ElementwiseUnit, MuonUnit, ParamInfo, Plan, plan_step
+from .scheduler import StreamScheduler, Transfer, plan_transfer
+
+log = logging.getLogger(__name__)
+
+# Measured on the H200 (docs/benchmarks.md): transfers of 64 MiB and more reach the PCIe
+# plateau, and 256 MiB keeps the staging ring (3 slots) plus the Muon temporaries under 2 GiB.
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+class ChunkedOptimizer(Optimizer):
+    """Base class: subclasses say how a group reads (``_read_hyper``) and name the state."""
+
+    # State tensors per algorithm, by the names they carry in ``state_dict()``.
+    state_keys: dict[str, tuple[str, ...]] = {}
+
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        *,
+        offload: bool,
+        chunk_bytes: int | None,
+        resident_bytes: int | None,
+        state_dtype: torch.dtype | None,
+        backend: str,
+    ):
+        if chunk_bytes is None:
+            chunk_bytes = DEFAULT_CHUNK_BYTES
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if resident_bytes is not None and (
+            isinstance(resident_bytes, bool)
+            or not isinstance(resident_bytes, int)
+            or resident_bytes < 0
+        ):
+            raise ValueError(f"resident_bytes must be an int >= 0 or None, got {resident_bytes!r}")
+        if state_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}"
+            )
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
+        self.offload = bool(offload)
+        self.chunk_bytes = chunk_bytes
+        # Without offload everything is resident; with it, resident_bytes of state stay.
+        self.resident_bytes = resident_bytes if self.offload else None
+        self.state_dtype = state_dtype
+        self.backend = backend
+        self._plans: dict[tuple, tuple[Plan, list[Transfer | None]]] = {}
+        self._host: HostSlabs | None = None
+        self._scheduler: StreamScheduler | None = None
+        self._resident_used = 0
+        self._streamed: set[Tensor] = set()  # parameters whose state lives in host memory
+        self._oversized_logged: set[Tensor] = set()
+        self._cpu_notice_given = False
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------- groups
+
+    def _read_hyper(self, group: dict, index: int) -> Hyper:
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            self._read_hyper(self.param_groups[index], index)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _params(self) -> list[tuple[int, Tensor]]:
+        return [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+
+    # ------------------------------------------------------------------ state
+
+    def _state_dtype(self, param: Tensor) -> torch.dtype:
+        return self.state_dtype or param.dtype
+
+    def _state_nbytes(self, algorithm: str, param: Tensor) -> int:
+        itemsize = self._state_dtype(param).itemsize
+        return len(self.state_keys[algorithm]) * param.numel() * itemsize
+
+    def _ensure_state(self, hypers: Sequence[Hyper]) -> None:
+        """Create state for every parameter that has none, in plan order."""
+        missing = [(gi, p) for gi, p in self._params() if not self.state.get(p)]
+        if not missing:
+            return
+        infos, params = [], []
+        for gi, p in missing:
+            algorithm = hypers[gi].algorithm
+            nbytes = self._state_nbytes(algorithm, p)
+            resident = not self.offload or (
+                self.resident_bytes is not None
+                and self._resident_used + nbytes <= self.resident_bytes
+            )
+            if resident and self.offload:
+                self._resident_used += nbytes
+            infos.append(self._param_info(len(params), gi, p, hypers[gi], resident))
+            params.append(p)
+        order = [
+            i for unit in plan_step(infos, self.chunk_bytes).units() for i in _unit_params(unit)
+        ]
+        streamed = []
+        for i in dict.fromkeys(order):  # a split element-wise param appears once per piece
+            p, info = params[i], infos[i]
+            keys = self.state_keys[info.algorithm]
+            if info.resident:
+                dtype = self._state_dtype(p)
+                self.state[p].update({k: torch.zeros_like(p, dtype=dtype) for k in keys})
+            else:
+                streamed.append((p, keys))
+                self._streamed.add(p)
+        if streamed:
+            if self._host is None:
+                self._host = HostSlabs(pin=streamed[0][0].is_cuda)
+            specs = [(p.shape, self._state_dtype(p)) for p, keys in streamed for _ in keys]
+            tensors = iter(self._host.allocate(specs))
+            for p, keys in streamed:
+                self.state[p].update({k: next(tensors) for k in keys})
+        self._plans.clear()
+
+    def _synchronize(self) -> None:
+        """Wait for in-flight write-backs, so host state can be read by the CPU."""
+        if self._streamed and self._scheduler is not None and self._scheduler.cuda:
+            torch.cuda.current_stream(self._scheduler.device).synchronize()
+
+    def state_dict(self) -> dict:
+        self._synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the existing state tensors (host slabs stay where they are), converting
+        dtype and device as needed. Everything is checked before anything is written."""
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for i, (ours, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if len(ours["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"param group {i}: loaded state dict has "
+                    f"{len(saved['params'])} parameters, the optimizer "
+                    f"{len(ours['params'])}"
+                )
+        new_groups = [
+            {**ours, **saved, "params": ours["params"]}
+            for ours, saved in zip(self.param_groups, saved_groups, strict=True)
+        ]
+        hypers = [self._read_hyper(g, i) for i, g in enumerate(new_groups)]
+        owner = {
+            saved_id: (gi, p)
+            for gi, (ours, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True))
+            for saved_id, p in zip(saved["params"], ours["params"], strict=True)
+        }
+        loaded: dict[Tensor, dict] = {}
+        for saved_id, values in state_dict["state"].items():
+            gi, p = owner[saved_id]
+            for key in self.state_keys[hypers[gi].algorithm]:
+                value = values.get(key)
+                if not isinstance(value, Tensor) or value.numel() != p.numel():
+                    raise ValueError(
+                        f"param group {gi} (parameter of shape {tuple(p.shape)}): loaded state "
+                        f"{key!r} is {'missing' if value is None else tuple(value.shape)}"
+                    )
+            loaded[p] = values
+
+        self._synchronize()
+        for group, new in zip(self.param_groups, new_groups, strict=True):
+            group.clear()
+            group.update(new)
+        self._ensure_state(hypers)
+        for gi, p in self._params():
+            for key in self.state_keys[hypers[gi].algorithm]:
+                target = self.state[p][key]
+                if p in loaded:
+                    target.copy_(loaded[p][key].reshape(target.shape))
+                else:
+                    target.zero_()
+        self._plans.clear()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _is_resident(self, param: Tensor) -> bool:
+        return param not in self._streamed
+
+    # --------------------------------------------------------------- planning
+
+    def _param_info(self, index: int, group: int, p: Tensor, hyper: Hyper, resident: bool):
+        state_dtype = self._state_dtype(p)
+        return ParamInfo(
+            index=index,
+            group=group,
+            algorithm=hyper.algorithm,
+            numel=p.numel(),
+            plan_bytes=self._state_nbytes(hyper.algorithm, p),
+            batch_key=(tuple(p.shape), p.dtype, state_dtype),
+            resident=resident,
+        )
+
+    def _plan(self, work: list[tuple[int, Tensor]], hypers: Sequence[Hyper]):
+        key = (
+            tuple(id(p) for _, p in work),
+            tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
+            self.chunk_bytes,
+        )
+        cached = self._plans.get(key)
+        if cached is not None:
+            return cached
+        infos = [
+            self._param_info(i, gi, p, hypers[gi], self._is_resident(p))
+            for i, (gi, p) in enumerate(work)
+        ]
+        plan = plan_step(infos, self.chunk_bytes)
+        for i in plan.oversized:
+            gi, p = work[i]
+            if p in self._oversized_logged:
+                continue
+            self._oversized_logged.add(p)
+            log.warning(
+                "param group %d: a parameter of shape %s has more state than chunk_bytes=%d; "
+                "it is streamed as a chunk of its own",
+                gi,
+                tuple(p.shape),
+                self.chunk_bytes,
+            )
+        transfers = [
+            None if chunk.resident else plan_transfer(self._chunk_state(chunk, work))
+            for chunk in plan.chunks
+        ]
+        self._plans[key] = (plan, transfers)
+        return plan, transfers
+
+    def _chunk_state(self, chunk, work) -> list[Tensor]:
+        """The state tensors a chunk updates, in the order ``_update_chunk`` consumes them."""
+        out = []
+        for unit in chunk.units:
+            if isinstance(unit, MuonUnit):
+                key = self.state_keys["muon"][0]
+                out.extend(self.state[work[i][1]][key] for i in unit.params)
+                continue
+            for seg in unit.segments:
+                state = self.state[work[seg.param][1]]
+                for key in self.state_keys[unit.algorithm]:
+                    out.append(state[key].view(-1)[seg.start : seg.stop])
+        return out
+
+    # ------------------------------------------------------------------- step
+
+    def _check_step(self) -> tuple[list[Hyper], list[tuple[int, Tensor]], torch.device | None]:
+        hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
+        work = []
+        devices = set()
+        for gi, p in self._params():
+            if p.grad is None:
+                continue
+            check_grad(p, gi)
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"param group {gi} (parameter of shape {tuple(p.shape)}): parameters must "
+                    "be contiguous to be updated in place"
+                )
+            devices.add(p.device)
+            work.append((gi, p))
+        if len(devices) > 1:
+            raise ValueError(
+                f"all parameters must be on one device, got {sorted(map(str, devices))}"
+            )
+        device = devices.pop() if devices else None
+        if device is not None and self.offload and device.type != "cuda":
+            if torch.cuda.is_available():
+                raise ValueError(
+                    f"offload=True streams state to a CUDA device, but the parameters are on "
+                    f"{device}; move the model to the GPU first"
+                )
+            if not self._cpu_notice_given:
+                log.warning("offload=True without CUDA: running the chunked pipeline on the CPU")
+                self._cpu_notice_given = True
+        return hypers, work, device
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hypers, work, device = self._check_step()
+        for group in self.param_groups:
+            group["step"] += 1
+        if not work:
+            return loss
+        self._ensure_state(hypers)
+        plan, transfers = self._plan(work, hypers)
+        if self._scheduler is None or self._scheduler.device != device:
+            self._scheduler = StreamScheduler(device)
+        steps = [g["step"] for g in self.param_groups]
+
+        def update(i: int, views: list[Tensor] | None) -> None:
+            chunk = plan.chunks[i]
+            state = iter(views if views is not None else self._chunk_state(chunk, work))
+            for unit in chunk.units:
+                if isinstance(unit, MuonUnit):
+                    self._update_muon(unit, work, hypers[unit.group], state)
+                else:
+                    self._update_elementwise(
+                        unit, work, hypers[unit.group], steps[unit.group], state
+                    )
+
+        self._scheduler.run(transfers, update)
+        return loss
+
+    def _update_muon(self, unit: MuonUnit, work, h: Hyper, state) -> None:
+        params = [work[i][1] for i in unit.params]
+        momentums = [next(state) for _ in params]
+        xs, gs, ms = [], [], []
+        for p, m in zip(params, momentums, strict=True):
+            xs.extend(_matrices(p, h.flatten))
+            gs.extend(_matrices(p.grad, h.flatten))
+            ms.extend(_matrices(m, h.flatten))
+        update, sumsq = ops.muon_prep(self.backend, ms, gs, mu=h.mu, nesterov=h.nesterov)
+        shape = params[0].shape
+        ortho = ops.orthogonalize_batch(
+            update,
+            sumsq,
+            method=self._orthogonalizer(),
+            eps=h.eps,
+            split_sizes=h.split_sizes,
+            split_scales=h.split_sizes and split_lr_scales(h.split_sizes, shape, h.adjust_lr),
+        )
+        ops.muon_apply_(
+            self.backend,
+            xs,
+            ortho,
+            lr=h.lr,
+            weight_decay=h.weight_decay,
+            adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
+        )
+
+    def _update_elementwise(self, unit: ElementwiseUnit, work, h: Hyper, step: int, state):
+        nkeys = len(self.state_keys[unit.algorithm])
+        xs, gs, st = [], [], [[] for _ in range(nkeys)]
+        for seg in unit.segments:
+            p = work[seg.param][1]
+            xs.append(p.view(-1)[seg.start : seg.stop])
+            gs.append(p.grad.reshape(-1)[seg.start : seg.stop])
+            for k in range(nkeys):
+                st[k].append(next(state))
+        if unit.algorithm == "adamw":
+            ops.adamw_(
+                self.backend,
+                xs,
+                gs,
+                st[0],
+                st[1],
+                lr=h.lr,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                eps=h.eps,
+                weight_decay=h.weight_decay,
+                step=step,
+            )
+        else:
+            ops.lion_(
+                self.backend,
+                xs,
+                gs,
+                st[0],
+                lr=h.lr,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                weight_decay=h.weight_decay,
+            )
+
+    def _orthogonalizer(self):
+        return "polar_express"
+
+
+def _unit_params(unit) -> list[int]:
+    if isinstance(unit, MuonUnit):
+        return list(unit.params)
+    return [s.param for s in unit.segments]
+
+
+def _matrices(t: Tensor, flatten: bool) -> list[Tensor]:
+    """The matrices a muon tensor is orthogonalized as (views, no copies for contiguous t)."""
+    if flatten:
+        return [t.reshape(t.shape[0], -1)]
+    if t.ndim == 2:
+        return [t]
+    return list(t.reshape(-1, t.shape[-2], t.shape[-1]).unbind(0))

@@ -1,0 +1,212 @@
+"""Reading and checking param groups: everything here runs before any parameter or state
+is touched, so a bad input raises with the optimizer exactly as it was."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ALGORITHMS = ("muon", "adamw", "lion")
+ADJUST_LR_MODES = ("spectral_norm", "rms_norm", None)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One group's hyper-parameters for one step, as plain Python numbers."""
+
+    algorithm: str
+    lr: float
+    weight_decay: float
+    mu: float = 0.0
+    beta1: float = 0.0
+    beta2: float = 0.0
+    eps: float = 0.0
+    nesterov: bool = False
+    adjust_lr: str | None = None
+    flatten: bool = False
+    split_sizes: tuple[int, ...] | None = None
+
+
+def _where(group_index: int, param: Tensor | None = None) -> str:
+    if param is None:
+        return f"param group {group_index}"
+    return f"param group {group_index} (parameter of shape {tuple(param.shape)})"
+
+
+def _number(group: dict, key: str, group_index: int) -> float:
+    value = group[key]
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":
+            # Reading a device tensor would sync the host with the GPU on every step.
+            raise TypeError(
+                f"{_where(group_index)}: {key} must be a number or a one-element CPU tensor"
+            )
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{_where(group_index)}: {key} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{_where(group_index)}: {key} must be finite and >= 0, got {value}")
+    return value
+
+
+def _beta(value, name: str, group_index: int) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{_where(group_index)}: {name} must be a number, got {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{_where(group_index)}: {name} must be in [0, 1), got {value}")
+    return float(value)
+
+
+def read_hyper(group: dict, group_index: int) -> Hyper:
+    """Validate one group's settings and its parameters' shapes; return its Hyper."""
+    algorithm = group.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"{_where(group_index)}: unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}"
+        )
+    lr = _number(group, "lr", group_index)
+    weight_decay = _number(group, "weight_decay", group_index)
+    if algorithm == "muon":
+        adjust_lr = group.get("adjust_lr")
+        if adjust_lr not in ADJUST_LR_MODES:
+            raise ValueError(
+                f"{_where(group_index)}: unknown adjust_lr {adjust_lr!r}; "
+                f"expected one of {ADJUST_LR_MODES}"
+            )
+        if group.get("cautious_wd"):
+            raise NotImplementedError(f"{_where(group_index)}: cautious_wd is not supported yet")
+        num_heads = group.get("num_heads")
+        if num_heads not in (None, 1):
+            raise NotImplementedError(f"{_where(group_index)}: num_heads is not supported yet")
+        for p in group["params"]:
+            if p.ndim < 2:
+                raise ValueError(
+                    f"{_where(group_index, p)}: a muon group needs matrices (2 or more dims); "
+                    "put vectors and scalars in an adamw or lion group"
+                )
+        split_sizes = _split_sizes(group, group_index)
+        return Hyper(
+            algorithm="muon",
+            lr=lr,
+            weight_decay=weight_decay,
+            mu=_number(group, "mu", group_index),
+            eps=_number(group, "epsilon", group_index),
+            nesterov=bool(group["nesterov"]),
+            adjust_lr=adjust_lr,
+            flatten=bool(group["flatten"]),
+            split_sizes=split_sizes,
+        )
+    beta1 = _beta(group["beta1"], "beta1", group_index)
+    beta2 = _beta(group["beta2"], "beta2", group_index)
+    if algorithm == "adamw":
+        return Hyper(
+            "adamw",
+            lr,
+            weight_decay,
+            beta1=beta1,
+            beta2=beta2,
+            eps=_number(group, "epsilon", group_index),
+        )
+    return Hyper("lion", lr, weight_decay, beta1=beta1, beta2=beta2)
+
+
+def _split_sizes(group: dict, group_index: int) -> tuple[int, ...] | None:
+    split_sizes = group.get("split_sizes")
+    if split_sizes is None:
+        return None
+    if (
+        not isinstance(split_sizes, (tuple, list))
+        or len(split_sizes) < 2
+        or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in split_sizes)
+    ):
+        raise ValueError(
+            f"{_where(group_index)}: split_sizes must be 2 or more positive ints, "
+            f"got {split_sizes!r}"
+        )
+    if group.get("flatten"):
+        raise ValueError(f"{_where(group_index)}: split_sizes is incompatible with flatten=True")
+    for p in group["params"]:
+        if p.ndim != 2 or p.shape[0] != sum(split_sizes):
+            raise ValueError(
+                f"{_where(group_index, p)}: split_sizes {tuple(split_sizes)} must sum to dim 0 "
+                "of a 2-D parameter"
+            )
+    return tuple(split_sizes)
+
+
+def check_grad(param: Tensor, group_index: int) -> None:
+    """Raise if ``param.grad`` cannot be used; None grads are the caller's to skip."""
+    grad = param.grad
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise TypeError(f"{_where(group_index, param)}: sparse gradients are not supported")
+    if grad.is_complex() or param.is_complex():
+        raise TypeError(f"{_where(group_index, param)}: complex tensors are not supported")
+    if not grad.is_floating_point() or not param.is_floating_point():
+        raise TypeError(
+            f"{_where(group_index, param)}: parameter and gradient must be floating point, "
+            f"got {param.dtype} and {grad.dtype}"
+        )
+    if grad.shape != param.shape:
+        raise ValueError(
+            f"{_where(group_index, param)}: gradient shape {tuple(grad.shape)} differs from "
+            "the parameter's"
+        )
+    if grad.device != param.device:
+        raise ValueError(
+            f"{_where(group_index, param)}: gradient is on {grad.device}, parameter on "
+            f"{param.device}"
+        )
+
+
+def matrix_view_shape(shape: torch.Size, flatten: bool) -> tuple[int, int]:
+    """The [m, n] of the matrices a muon parameter is orthogonalized as."""
+    if flatten:
+        return shape[0], math.prod(shape[1:])
+    return shape[-2], shape[-1]
+
+
+def matrix_count(shape: torch.Size, flatten: bool) -> int:
+    return 1 if flatten else math.prod(shape[:-2])
+
+
+def adjusted_lr(lr: float, shape: torch.Size, adjust_lr: str | None, flatten: bool) -> float:
+    """dion's learning-rate adjustment from the matrix shape (fan_out, fan_in)."""
+    fan_out, fan_in = matrix_view_shape(shape, flatten)
+    if adjust_lr is None:
+        return lr
+    if adjust_lr == "spectral_norm":
+        return lr * math.sqrt(fan_out / fan_in)
+    return lr * 0.2 * math.sqrt(max(fan_out, fan_in))
+
+
+def split_lr_scales(split_sizes, shape, adjust_lr: str | None) -> tuple[float, ...] | None:
+    """Per-block factors turning the whole-matrix adjustment into each block's own."""
+    if adjust_lr is None:
+        return None
+    full = adjusted_lr(1.0, shape, adjust_lr, False)
+    return tuple(
+        adjusted_lr(1.0, torch.Size((rows, shape[-1])), adjust_lr, False) / full
+        for rows in split_sizes
+    )
+
+
+def read_torch_adamw_hyper(group: dict, group_index: int) -> Hyper:
+    """A ``torch.optim.AdamW``-style group (``betas``, ``eps``) read as an adamw Hyper."""
+    for flag in ("amsgrad", "maximize", "differentiable"):
+        if group.get(flag):
+            raise NotImplementedError(f"{_where(group_index)}: {flag}=True is not supported")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{_where(group_index)}: betas must be a pair, got {betas!r}")
+    return Hyper(
+        "adamw",
+        _number(group, "lr", group_index),
+        _number(group, "weight_decay", group_index),
+        beta1=_beta(betas[0], "betas[0]", group_index),
+        beta2=_beta(betas[1], "betas[1]", group_index),
+        eps=_number(group, "eps", group_index),
+    )

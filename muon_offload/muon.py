@@ -1,0 +1,112 @@
+"""``Muon``: dion's Muon (microsoft/dion at 0a059a4) on the chunked, optionally offloaded,
+engine. Same constructor, param-group keys, update rules and state keys (``momentum``, and
+``variance`` for adamw groups), so a dion user swaps the class and keeps the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .engine import ChunkedOptimizer
+from .groups import ADJUST_LR_MODES, Hyper, read_hyper
+from .kernels.orthogonalize import ORTHOGONALIZERS
+
+
+class Muon(ChunkedOptimizer):
+    """Muon for matrices, with AdamW or Lion groups for everything else.
+
+    Each param group carries ``algorithm`` = ``"muon"`` (default), ``"adamw"`` or ``"lion"``.
+    Muon groups: ``M = mu M + G``; ``U = mu M + G`` with nesterov, else ``M``; U in bf16,
+    orthogonalized (Polar Express by default), then ``X *= 1 - lr wd`` and
+    ``X -= adjusted_lr U``, with ``adjusted_lr`` from ``adjust_lr`` and the matrix shape.
+    3-D parameters are batches of matrices unless ``flatten``; ``split_sizes`` in a group
+    orthogonalizes row blocks of a packed 2-D weight separately, as dion does.
+
+    Beyond dion's arguments:
+        orthogonalizer: ``"polar_express"``, ``"newton_schulz5"`` or a callable
+            ``f(U, epsilon=eps) -> Tensor`` on a bf16 batch [B, m, n]. Overrides
+            ``use_polar_express`` and ``newton_schulz_func``.
+        offload: keep optimizer state in pinned host memory and stream it through the GPU in
+            chunks during ``step()``.
+        chunk_bytes: state bytes per chunk (default 256 MiB).
+        resident_bytes: with offload, this much state stays on the GPU (default 0).
+        state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
+        backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
+    """
+
+    state_keys = {"muon": ("momentum",), "adamw": ("momentum", "variance"), "lion": ("momentum",)}
+
+    def __init__(
+        self,
+        params,
+        distributed_mesh=None,
+        lr: float = 0.01,
+        mu: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        cautious_wd: bool = False,
+        epsilon: float = 1e-8,
+        nesterov: bool = False,
+        adjust_lr: str | None = "spectral_norm",
+        flatten: bool = False,
+        use_gram_newton_schulz: bool = False,
+        use_triton: bool = False,  # accepted for dion compatibility; kernels are always fused
+        use_polar_express: bool = True,
+        newton_schulz_func: Callable | None = None,
+        *,
+        orthogonalizer: str | Callable | None = None,
+        offload: bool = False,
+        chunk_bytes: int | None = None,
+        resident_bytes: int | None = 0,
+        state_dtype: torch.dtype | None = None,
+        backend: str = "auto",
+    ):
+        if distributed_mesh is not None:
+            raise NotImplementedError("distributed_mesh is not supported yet")
+        if use_gram_newton_schulz:
+            raise NotImplementedError("use_gram_newton_schulz is not supported")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair, got {betas!r}")
+        if adjust_lr not in ADJUST_LR_MODES:
+            raise ValueError(f"unknown adjust_lr {adjust_lr!r}; expected one of {ADJUST_LR_MODES}")
+        if orthogonalizer is None:
+            if newton_schulz_func is not None:
+                orthogonalizer = newton_schulz_func
+            else:
+                orthogonalizer = "polar_express" if use_polar_express else "newton_schulz5"
+        if not callable(orthogonalizer) and orthogonalizer not in ORTHOGONALIZERS:
+            raise ValueError(
+                f"unknown orthogonalizer {orthogonalizer!r}; expected a callable or one of "
+                f"{tuple(ORTHOGONALIZERS)}"
+            )
+        self.orthogonalizer = orthogonalizer
+        defaults = dict(
+            lr=lr,
+            mu=mu,
+            beta1=betas[0],
+            beta2=betas[1],
+            weight_decay=weight_decay,
+            cautious_wd=cautious_wd,
+            algorithm="muon",
+            step=0,
+            epsilon=epsilon,
+            nesterov=nesterov,
+            flatten=flatten,
+            adjust_lr=adjust_lr,
+        )
+        super().__init__(
+            params,
+            defaults,
+            offload=offload,
+            chunk_bytes=chunk_bytes,
+            resident_bytes=resident_bytes,
+            state_dtype=state_dtype,
+            backend=backend,
+        )
+
+    def _read_hyper(self, group: dict, index: int) -> Hyper:
+        return read_hyper(group, index)
+
+    def _orthogonalizer(self):
+        return self.orthogonalizer

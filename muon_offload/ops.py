@@ -1,0 +1,66 @@
+"""Where each update runs: the fused Triton kernels for CUDA tensors (or everywhere, under
+the Triton interpreter, when asked), the torch references otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .kernels import elementwise, muon, orthogonalize
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _use_triton(backend: str, tensor: Tensor) -> bool:
+    return backend == "triton" or (backend == "auto" and tensor.is_cuda)
+
+
+def adamw_(backend: str, params, grads, exp_avgs, exp_avg_sqs, **hyper) -> None:
+    fn = elementwise.adamw_ if _use_triton(backend, params[0]) else elementwise.adamw_reference_
+    fn(params, grads, exp_avgs, exp_avg_sqs, **hyper)
+
+
+def lion_(backend: str, params, grads, exp_avgs, **hyper) -> None:
+    fn = elementwise.lion_ if _use_triton(backend, params[0]) else elementwise.lion_reference_
+    fn(params, grads, exp_avgs, **hyper)
+
+
+def muon_prep(backend: str, momentums, grads, *, mu: float, nesterov: bool):
+    fn = muon.muon_prep if _use_triton(backend, momentums[0]) else muon.muon_prep_reference
+    return fn(momentums, grads, mu=mu, nesterov=nesterov)
+
+
+def muon_apply_(backend: str, params, update: Tensor, **hyper) -> None:
+    fn = muon.muon_apply_ if _use_triton(backend, params[0]) else muon.muon_apply_reference_
+    fn(params, update, **hyper)
+
+
+def orthogonalize_batch(
+    update: Tensor,
+    sumsq: Tensor | None,
+    *,
+    method,
+    eps: float,
+    split_sizes: Sequence[int] | None = None,
+    split_scales: Sequence[float] | None = None,
+) -> Tensor:
+    """Orthogonalize [B, m, n]; with ``split_sizes``, each row block on its own (as dion
+    does for packed parameters), blocks of equal height batched together, each block then
+    scaled by its ``split_scales`` entry."""
+    if split_sizes is None:
+        return orthogonalize.orthogonalize(update, sumsq, method=method, eps=eps)
+    blocks = list(update.split(list(split_sizes), dim=-2))
+    out: list[Tensor | None] = [None] * len(blocks)
+    by_rows: dict[int, list[int]] = {}
+    for i, block in enumerate(blocks):
+        by_rows.setdefault(block.size(-2), []).append(i)
+    batch = update.size(0)
+    for idx in by_rows.values():
+        stacked = torch.cat([blocks[i] for i in idx], dim=0)  # [len(idx) * B, rows, n]
+        ortho = orthogonalize.orthogonalize(stacked, None, method=method, eps=eps)
+        for j, i in enumerate(idx):
+            block = ortho[j * batch : (j + 1) * batch]
+            out[i] = block * split_scales[i] if split_scales is not None else block
+    return torch.cat(out, dim=-2)

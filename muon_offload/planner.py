@@ -1,0 +1,172 @@
+"""The chunk planner: pure Python, no tensors, so it is tested without a GPU.
+
+A step's work is cut into *units*, and units are packed into *chunks* of at most
+``chunk_bytes`` of optimizer state, the amount that crosses PCIe together.
+
+- A muon unit is a batch of same-shape, same-dtype, same-placement parameters: the batch
+  that is orthogonalized together. A parameter is never split across units, so a packed
+  parameter (dion's ``split_sizes``) or a 3-D stack of matrices is updated exactly once.
+- Element-wise (adamw, lion) state has no structure to respect, so a parameter is cut
+  anywhere into segments and no chunk is forced over budget by a large embedding.
+- A single muon parameter larger than ``chunk_bytes`` becomes a unit and a chunk of its own.
+
+Budgets are counted in ``plan_bytes``: a parameter's state bytes computed from its *global*
+size divided by the mesh size, identical on every rank, so under sharding every rank cuts
+the same units into the same chunks (never cut on local shard sizes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the planner needs to know of one parameter that has a gradient this step."""
+
+    index: int  # position in the optimizer's flat parameter order
+    group: int
+    algorithm: str  # "muon", "adamw" or "lion"
+    numel: int  # local elements (the shard on this rank)
+    plan_bytes: int  # state bytes for budgeting: global state bytes / mesh size
+    batch_key: Hashable = None  # muon: (shape, dtype, placement); params batch only if equal
+    resident: bool = True  # state kept on the GPU (never streamed)
+
+
+@dataclass(frozen=True)
+class MuonUnit:
+    group: int
+    params: tuple[int, ...]
+    plan_bytes: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    param: int
+    start: int  # element range [start, stop) of the flattened local tensor
+    stop: int
+
+
+@dataclass(frozen=True)
+class ElementwiseUnit:
+    group: int
+    algorithm: str
+    segments: tuple[Segment, ...]
+    plan_bytes: int
+
+
+Unit = MuonUnit | ElementwiseUnit
+
+
+@dataclass(frozen=True)
+class Chunk:
+    units: tuple[Unit, ...]
+    plan_bytes: int
+    resident: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    chunks: tuple[Chunk, ...]
+    # Muon parameters that alone exceed chunk_bytes (each got a chunk of its own).
+    oversized: tuple[int, ...] = ()
+
+    def units(self):
+        return [u for c in self.chunks for u in c.units]
+
+
+def plan_step(params: Sequence[ParamInfo], chunk_bytes: int) -> Plan:
+    """Cut the step's parameters into units and pack the units into chunks.
+
+    Resident chunks come first. Within each part, groups keep their order, muon units
+    keep their parameters' first-seen order, and element-wise parameters keep theirs.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    chunks: list[Chunk] = []
+    oversized: list[int] = []
+    for resident in (True, False):
+        part = [p for p in params if p.resident == resident]
+        packer = _Packer(chunk_bytes, resident)
+        for item in _units_in_order(part, chunk_bytes, oversized):
+            if isinstance(item, MuonUnit):
+                packer.add_muon(item)
+            else:
+                packer.add_elementwise(item)
+        chunks.extend(packer.finish())
+    return Plan(tuple(chunks), tuple(oversized))
+
+
+def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: list[int]):
+    """Yield muon units and element-wise ParamInfos in group order."""
+    groups: dict[int, list[ParamInfo]] = {}
+    for p in params:
+        groups.setdefault(p.group, []).append(p)
+    for group, members in groups.items():
+        if members[0].algorithm != "muon":
+            yield from members
+            continue
+        buckets: dict[Hashable, list[ParamInfo]] = {}
+        for p in members:
+            buckets.setdefault(p.batch_key, []).append(p)
+        for bucket in buckets.values():
+            unit: list[ParamInfo] = []
+            unit_bytes = 0
+            for p in bucket:
+                if unit and unit_bytes + p.plan_bytes > chunk_bytes:
+                    yield MuonUnit(group, tuple(q.index for q in unit), unit_bytes)
+                    unit, unit_bytes = [], 0
+                unit.append(p)
+                unit_bytes += p.plan_bytes
+                if p.plan_bytes > chunk_bytes:
+                    oversized.append(p.index)
+            if unit:
+                yield MuonUnit(group, tuple(q.index for q in unit), unit_bytes)
+
+
+@dataclass
+class _Packer:
+    chunk_bytes: int
+    resident: bool
+    chunks: list[Chunk] = field(default_factory=list)
+    units: list[Unit] = field(default_factory=list)
+    used: int = 0
+
+    def close(self) -> None:
+        if self.units:
+            self.chunks.append(Chunk(tuple(self.units), self.used, self.resident))
+        self.units, self.used = [], 0
+
+    def add_muon(self, unit: MuonUnit) -> None:
+        if self.units and self.used + unit.plan_bytes > self.chunk_bytes:
+            self.close()
+        self.units.append(unit)
+        self.used += unit.plan_bytes
+
+    def add_elementwise(self, p: ParamInfo) -> None:
+        # Bytes per element, rounded up so a chunk's byte count never exceeds its budget.
+        per_elem = max(1, -(-p.plan_bytes // max(p.numel, 1)))
+        start = 0
+        while start < p.numel:
+            room = (self.chunk_bytes - self.used) // per_elem
+            if room == 0:
+                self.close()
+                room = max(1, self.chunk_bytes // per_elem)
+            stop = min(p.numel, start + room)
+            self._append_segment(p, Segment(p.index, start, stop), (stop - start) * per_elem)
+            start = stop
+
+    def _append_segment(self, p: ParamInfo, segment: Segment, nbytes: int) -> None:
+        last = self.units[-1] if self.units else None
+        if isinstance(last, ElementwiseUnit) and last.group == p.group:
+            self.units[-1] = ElementwiseUnit(
+                p.group, p.algorithm, (*last.segments, segment), last.plan_bytes + nbytes
+            )
+        else:
+            self.units.append(ElementwiseUnit(p.group, p.algorithm, (segment,), nbytes))
+        self.used += nbytes
+
+    def finish(self) -> list[Chunk]:
+        self.close()
+        return self.chunks

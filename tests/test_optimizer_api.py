@@ -1,0 +1,273 @@
+"""What a user of a torch.optim.Optimizer expects: checkpoints, schedulers, param groups,
+skipped parameters, and errors raised before anything is touched."""
+
+import io
+import re
+
+import pytest
+import torch
+
+from muon_offload import AdamW, Muon
+from muon_offload.groups import check_grad
+
+SHAPES = [(24, 40), (40, 24), (24, 40), (3, 8, 12), (77,), (5,)]
+
+
+def _model(seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _groups(params):
+    return [
+        dict(params=params[:4]),
+        dict(params=params[4:5], algorithm="adamw"),
+        dict(params=params[5:], algorithm="lion"),
+    ]
+
+
+def _set_grads(params, step):
+    gen = torch.Generator().manual_seed(500 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def _snapshot(opt, params):
+    return (
+        [p.detach().clone() for p in params],
+        {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)},
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    )
+
+
+def _assert_same(a, b):
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert a[1].keys() == b[1].keys()
+    for i in a[1]:
+        for k in a[1][i]:
+            assert torch.equal(a[1][i][k], b[1][i][k])
+    assert a[2] == b[2]
+
+
+@pytest.mark.parametrize(
+    "resume_kwargs",
+    [
+        dict(),
+        dict(offload=True, chunk_bytes=3000),
+        dict(chunk_bytes=1 << 20, offload=True),
+    ],
+)
+def test_state_dict_round_trip_resumes_bitwise(resume_kwargs):
+    params = _model()
+    opt = Muon(_groups(params), lr=0.02)
+    for s in range(3):
+        _set_grads(params, s)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+    for s in range(3, 5):
+        _set_grads(params, s)
+        opt.step()
+    uninterrupted = _snapshot(opt, params)
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    params2 = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
+    opt2 = Muon(_groups(params2), lr=0.5, **resume_kwargs)  # lr comes from the checkpoint
+    opt2.load_state_dict(ckpt["opt"])
+    for s in range(3, 5):
+        _set_grads(params2, s)
+        opt2.step()
+    _assert_same(_snapshot(opt2, params2), uninterrupted)
+
+
+def test_state_dtype_bf16_state_loads_from_fp32_checkpoint():
+    params = _model()
+    opt = Muon(_groups(params))
+    _set_grads(params, 0)
+    opt.step()
+    opt2 = Muon(_groups(_model()), state_dtype=torch.bfloat16)
+    opt2.load_state_dict(opt.state_dict())
+    for p, q in zip(params, opt2.param_groups[0]["params"], strict=False):
+        m = opt2.state[q]["momentum"]
+        assert m.dtype == torch.bfloat16
+        assert torch.equal(m, opt.state[p]["momentum"].to(torch.bfloat16))
+
+
+def test_lr_scheduler_takes_effect():
+    def run(with_scheduler):
+        params = _model(1)
+        opt = Muon(_groups(params), lr=0.02)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0 if s >= 1 else 1.0)
+        for s in range(3):
+            _set_grads(params, s)
+            before = [p.detach().clone() for p in params]
+            opt.step()
+            if with_scheduler:
+                sched.step()
+        return params, before
+
+    params, before = run(True)
+    # lr is 0 from the second step on: with decoupled decay lr*wd = 0, nothing moves.
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b)
+    params, before = run(False)
+    assert not any(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def test_add_param_group_after_steps():
+    params = _model(2)
+    opt = Muon([dict(params=params[:4])])
+    _set_grads(params, 0)
+    opt.step()
+    opt.add_param_group(dict(params=params[4:], algorithm="adamw", lr=1e-3))
+    assert opt.param_groups[-1]["mu"] == 0.95 and opt.param_groups[-1]["step"] == 0
+    _set_grads(params, 1)
+    before = params[4].detach().clone()
+    opt.step()
+    assert not torch.equal(params[4], before)
+    assert set(opt.state[params[4]]) == {"momentum", "variance"}
+    assert [g["step"] for g in opt.param_groups] == [2, 1]
+
+
+def test_add_param_group_rejects_bad_group_and_leaves_groups():
+    params = _model(3)
+    opt = Muon([dict(params=params[:4])])
+    with pytest.raises(ValueError, match="param group 1.*shape \\(77,\\)"):
+        opt.add_param_group(dict(params=params[4:5]))  # a vector in a muon group
+    assert len(opt.param_groups) == 1
+
+
+def test_grad_none_is_skipped_and_state_untouched():
+    params = _model(4)
+    opt = Muon(_groups(params))
+    _set_grads(params, 0)
+    opt.step()
+    params[1].grad = None
+    params[4].grad = None
+    frozen = {
+        i: (params[i].detach().clone(), {k: v.clone() for k, v in opt.state[params[i]].items()})
+        for i in (1, 4)
+    }
+    _set_grads([params[0]], 1)
+    opt.step()
+    for i, (x, st) in frozen.items():
+        assert torch.equal(params[i], x)
+        for k, v in st.items():
+            assert torch.equal(opt.state[params[i]][k], v)
+    assert all(g["step"] == 2 for g in opt.param_groups)
+
+
+def test_adamw_state_keys_and_zero_grad():
+    params = _model(5)[4:]
+    opt = AdamW(params)
+    _set_grads(params, 0)
+    opt.step()
+    assert set(opt.state[params[0]]) == {"exp_avg", "exp_avg_sq"}
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+BAD_GROUPS = [
+    (lambda ps: [dict(params=ps[4:5])], ValueError, r"param group 0.*shape \(77,\)"),
+    (lambda ps: [dict(params=ps[:1], algorithm="sgd")], ValueError, "unknown algorithm"),
+    (lambda ps: [dict(params=ps[:1], adjust_lr="bogus")], ValueError, "adjust_lr"),
+    (lambda ps: [dict(params=ps[:1], lr=-1.0)], ValueError, "lr must be"),
+    (lambda ps: [dict(params=ps[:1], mu=-0.5)], ValueError, "mu must be"),
+    (lambda ps: [dict(params=ps[:1], weight_decay=-0.1)], ValueError, "weight_decay must be"),
+    (lambda ps: [dict(params=ps[4:5], algorithm="adamw", beta1=-0.1)], ValueError, "beta1"),
+    (lambda ps: [dict(params=ps[4:5], algorithm="lion", beta2=1.5)], ValueError, "beta2"),
+]
+
+
+@pytest.mark.parametrize("make,exc,match", BAD_GROUPS)
+def test_bad_groups_raise_at_construction(make, exc, match):
+    with pytest.raises(exc, match=match):
+        Muon(make(_model()))
+
+
+def test_bad_constructor_arguments():
+    ps = _model()[:1]
+    with pytest.raises(ValueError, match="orthogonalizer"):
+        Muon(ps, orthogonalizer="svd")
+    with pytest.raises(ValueError, match="adjust_lr"):
+        Muon(ps, adjust_lr="bogus")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        Muon(ps, chunk_bytes=0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        Muon(ps, offload=True, chunk_bytes=-5)
+    with pytest.raises(ValueError, match="betas"):
+        AdamW(ps, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="lr"):
+        AdamW(ps, lr=-1e-3)
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        AdamW(ps, amsgrad=True)
+
+
+def _break_grad(kind, params, which):
+    p = params[which]
+    if kind == "shape":
+        # torch refuses to assign a mismatched .grad, but a hook or in-place op can still
+        # leave one behind.
+        p.grad.resize_(p.shape[0] + 1, *p.shape[1:])
+    elif kind == "sparse":
+        p.grad = p.grad.to_sparse()
+    else:
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind,exc", [("shape", ValueError), ("sparse", TypeError)])
+@pytest.mark.parametrize("which", [2, 4])
+def test_bad_gradient_raises_before_anything_is_touched(kind, exc, which):
+    params = _model(6)
+    opt = Muon(_groups(params), offload=True, chunk_bytes=2000)
+    _set_grads(params, 0)
+    opt.step()
+    _set_grads(params, 1)
+    before = _snapshot(opt, params)
+    shape = tuple(params[which].shape)
+    _break_grad(kind, params, which)
+    with pytest.raises(exc, match=re.escape(f"shape {shape}")):
+        opt.step()
+    _assert_same(_snapshot(opt, params), before)
+
+
+def test_complex_parameter_raises_before_anything_is_touched():
+    params = _model(6)
+    z = torch.nn.Parameter(torch.randn(6, dtype=torch.complex64))
+    opt = Muon([dict(params=params[:4]), dict(params=params[4:] + [z], algorithm="adamw")])
+    _set_grads(params, 0)
+    opt.step()
+    _set_grads(params, 1)
+    z.grad = torch.randn_like(z)
+    before = _snapshot(opt, params)
+    with pytest.raises(TypeError, match=r"complex.*|shape \(6,\)"):
+        opt.step()
+    _assert_same(_snapshot(opt, params), before)
+
+
+def test_gradient_on_another_device_is_named():
+    class Stand:  # torch will not attach a grad on another device, so stand in for one
+        shape = torch.Size((3, 4))
+        device = torch.device("cpu")
+        grad = torch.empty(3, 4, device="meta")
+        is_complex = staticmethod(lambda: False)
+        is_floating_point = staticmethod(lambda: True)
+
+    with pytest.raises(ValueError, match=r"param group 2 \(parameter of shape \(3, 4\)\).*meta"):
+        check_grad(Stand(), 2)
+
+
+def test_bad_hyperparameter_set_later_raises_at_step_before_anything_is_touched():
+    params = _model(7)
+    opt = Muon(_groups(params))
+    _set_grads(params, 0)
+    opt.step()
+    before = _snapshot(opt, params)
+    opt.param_groups[2]["lr"] = -1.0
+    _set_grads(params, 1)
+    with pytest.raises(ValueError, match="param group 2"):
+        opt.step()
+    after = _snapshot(opt, params)
+    _assert_same(after[:2] + (before[2],), before)
