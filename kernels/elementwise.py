@@ -3,6 +3,12 @@
 Every function updates lists of tensors in place. Index ``i`` of each list is one segment:
 a parameter (or a contiguous slice of one), its gradient and its state, all with the same
 number of elements. Math runs in fp32; each stored tensor is rounded once, on store.
+
+``adamw_`` and ``lion_`` launch one Triton kernel per dtype combination (usually one per
+call). Each program updates one chunk of one segment, read through a pointer table of rows
+``[p, g, m, (v,) start, count]``; see ``_launch.py``. ``adamw_reference_`` and
+``lion_reference_`` are the plain-torch versions (CPU path, and what the kernels are tested
+against).
 """
 
 from __future__ import annotations
@@ -10,8 +16,299 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+
+from ._launch import (
+    ALIGN_BYTES,
+    TABLES,
+    TUNER,
+    Config,
+    bench_ms,
+    bucket,
+    check_lists,
+    chunk_rows,
+    dtype_name,
+    group_by_dtype,
+    scratch_like,
+    triton_dtype,
+)
+
+# Candidates timed by the tuner (block elements per tile, chunk elements per program).
+# 256 MiB of fp32 AdamW state is 32 Mi elements: a 16 Ki chunk gives 2048 programs, about
+# 15 per SM of an H200, enough to hide the tail of the last wave.
+CONFIGS = (
+    Config(block=1024, chunk=16384, num_warps=4),
+    Config(block=2048, chunk=16384, num_warps=8),
+    Config(block=4096, chunk=16384, num_warps=8),
+    Config(block=2048, chunk=65536, num_warps=8),
+    Config(block=1024, chunk=4096, num_warps=4),
+    Config(block=4096, chunk=65536, num_warps=16),
+)
+# The interpreter runs each program instance in numpy (about 3 ms each): small tiles keep
+# the full-tile loop and the masked tail both exercised by small test tensors.
+INTERPRETER_CONFIG = Config(block=256, chunk=1024, num_warps=4)
+
+
+@triton.jit
+def _lerp(start, end, weight):
+    # torch.lerp's formula, so fp32 results match torch's to the rounding of each operation.
+    diff = end - start
+    return tl.where(weight < 0.5, start + weight * diff, end - diff * (1.0 - weight))
+
+
+@triton.jit
+def _typed(row, index, DTYPE: tl.constexpr, start, ALIGNED: tl.constexpr):
+    # Addresses read from a table carry no alignment facts: without the hint there are no
+    # 16-byte accesses (checked in the PTX: ld.global.v4.b32 with it, ld.global.b32 without).
+    ptr = tl.load(row + index).to(tl.pointer_type(DTYPE)) + start
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _adamw_tile(
+    p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, w1, beta2, omb2, eps, decay, step_size, bc2_sqrt
+):
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+    m = _lerp(m, g, w1)
+    v = v * beta2 + (g * g) * omb2
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p * decay - step_size * tl.div_rn(m, denom)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    table,  # [programs, 6] int64: p, g, m, v addresses, start, count
+    w1,  # 1 - beta1 (lerp weight)
+    beta2,
+    omb2,  # 1 - beta2
+    eps,
+    decay,  # 1 - lr * weight_decay
+    step_size,  # lr / (1 - beta1^step)
+    bc2_sqrt,  # sqrt(1 - beta2^step)
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    M_DTYPE: tl.constexpr,
+    V_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)
+    row = table + i_p * 6
+    start = tl.load(row + 4)
+    count = tl.load(row + 5)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
+    v_ptr = _typed(row, 3, V_DTYPE, start, ALIGNED)
+    offs = tl.arange(0, BLOCK)
+    n_full = count // BLOCK
+    for i_t in range(n_full):  # full tiles: no mask, so loads stay 16 bytes wide
+        _adamw_tile(
+            p_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            i_t * BLOCK + offs,
+            None,
+            w1,
+            beta2,
+            omb2,
+            eps,
+            decay,
+            step_size,
+            bc2_sqrt,
+        )
+    tail = count - n_full * BLOCK
+    if tail > 0:
+        _adamw_tile(
+            p_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            n_full * BLOCK + offs,
+            offs < tail,
+            w1,
+            beta2,
+            omb2,
+            eps,
+            decay,
+            step_size,
+            bc2_sqrt,
+        )
+
+
+@triton.jit
+def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr):
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    u = _lerp(m, g, w1)
+    sign = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
+    sign = tl.where(u != u, u, sign)  # NaN stays NaN, as torch.sign
+    m = _lerp(m, g, w2)
+    p = p * decay - lr * sign
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lion_kernel(
+    table,  # [programs, 5] int64: p, g, m addresses, start, count
+    w1,  # 1 - beta1
+    w2,  # 1 - beta2
+    decay,  # 1 - lr * weight_decay
+    lr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    M_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)
+    row = table + i_p * 5
+    start = tl.load(row + 3)
+    count = tl.load(row + 4)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
+    offs = tl.arange(0, BLOCK)
+    n_full = count // BLOCK
+    for i_t in range(n_full):
+        _lion_tile(p_ptr, g_ptr, m_ptr, i_t * BLOCK + offs, None, w1, w2, decay, lr)
+    tail = count - n_full * BLOCK
+    if tail > 0:
+        _lion_tile(p_ptr, g_ptr, m_ptr, n_full * BLOCK + offs, offs < tail, w1, w2, decay, lr)
+
+
+def _launch_segments(kernel, name: str, lists, scalars) -> None:
+    """Launch ``kernel`` over parallel segment lists: one launch per combination of dtypes and
+    16-byte alignment. Alignment is a compile-time promise for the whole launch, so one
+    unaligned segment must not take 16-byte accesses away from the others: measured on the
+    H200, 104 segments of 32 Mi elements ran 0.35 ms with one odd offset among them against
+    0.23 ms all aligned."""
+    numels = check_lists([name] * len(lists), lists)
+    ptrs = [[t.data_ptr() for t in tensors] for tensors in lists]
+    aligned = [not any(col[i] % ALIGN_BYTES for col in ptrs) for i in range(len(numels))]
+    groups = group_by_dtype(lists)
+    device = lists[0][0].device if numels else None
+    if len(groups) == 1 and all(aligned):  # the usual case: one launch over everything
+        ((dtypes, _),) = groups.items()
+        config = _choose(kernel, name, lists, numels, dtypes, scalars)
+        _launch_group(kernel, name, device, ptrs, numels, dtypes, scalars, config, True)
+        return
+    for dtypes, index in groups.items():
+        for flag in (True, False):
+            part = [i for i in index if aligned[i] == flag]
+            if not part:
+                continue
+            group = [[tensors[i] for i in part] for tensors in lists]
+            sizes = [numels[i] for i in part]
+            config = _choose(kernel, name, group, sizes, dtypes, scalars)
+            part_ptrs = [[col[i] for i in part] for col in ptrs]
+            _launch_group(kernel, name, device, part_ptrs, sizes, dtypes, scalars, config, flag)
+
+
+def _launch_group(
+    kernel, name, device, ptrs, sizes, dtypes, scalars, config: Config, aligned: bool
+) -> None:
+    """One launch over segments given by their addresses (``ptrs[j][i]``: tensor j of
+    segment i) and element counts."""
+    ptrs = tuple(tuple(col) for col in ptrs)
+    key = (name, device.index, config.chunk, ptrs, tuple(sizes))
+
+    def build():
+        return chunk_rows(
+            np.array(ptrs, dtype=np.int64).T.reshape(len(sizes), len(ptrs)),
+            np.array(sizes, dtype=np.int64),
+            config.chunk,
+        )
+
+    table = TABLES.get(key, build, device)
+    if table.shape[0] == 0:
+        return
+    kernel[(table.shape[0],)](
+        table,
+        *scalars,
+        *(triton_dtype(d) for d in dtypes),
+        BLOCK=config.block,
+        ALIGNED=aligned,
+        num_warps=config.num_warps,
+    )
+
+
+def _choose(kernel, name, group, sizes, dtypes, scalars) -> Config:
+    device = group[0][0].device
+    key = (",".join(dtype_name(d) for d in dtypes), bucket(sum(sizes)), bucket(len(sizes)))
+
+    def bench(config: Config) -> float:
+        # Scratch copies of the call's tensors: the real ones are updated exactly once.
+        scratch = [scratch_like(tensors, positive=(j == 3)) for j, tensors in enumerate(group)]
+        ptrs = [[t.data_ptr() for t in tensors] for tensors in scratch]
+        aligned = not any(p % ALIGN_BYTES for col in ptrs for p in col)
+        return bench_ms(
+            lambda: _launch_group(
+                kernel, name, device, ptrs, sizes, dtypes, scalars, config, aligned
+            )
+        )
+
+    return TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
+
+
+def adamw_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """Fused AdamW over any number of segments of any sizes; same math as
+    ``adamw_reference_``. Hyper-parameters are runtime scalars: changing them never
+    recompiles."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    scalars = (
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        1.0 - lr * weight_decay,
+        lr / (1.0 - beta1**step),
+        math.sqrt(1.0 - beta2**step),
+    )
+    _launch_segments(_adamw_kernel, "adamw", (params, grads, exp_avgs, exp_avg_sqs), scalars)
+
+
+def lion_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Fused Lion over any number of segments of any sizes; same math as ``lion_reference_``."""
+    scalars = (1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, lr)
+    _launch_segments(_lion_kernel, "lion", (params, grads, exp_avgs), scalars)
 
 
 def adamw_reference_(

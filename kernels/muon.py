@@ -3,14 +3,314 @@
 prep:  M = mu M + G (in place); U = mu M + G with nesterov, else M; U stored in bf16, with
        each matrix's sum of squares of the stored bf16 values (the orthogonalizer's norm).
 apply: X = X (1 - lr wd) - adjusted_lr U.
+
+``muon_prep`` and ``muon_apply_`` are the Triton launchers (one launch for the whole batch;
+the matrices are separate tensors read through a pointer table); the ``*_reference`` functions
+are the plain-torch versions they are tested against.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+
+from ._launch import (
+    TABLES,
+    TUNER,
+    Config,
+    all_aligned,
+    bench_ms,
+    bucket,
+    check_lists,
+    dtype_name,
+    scratch_like,
+    triton_dtype,
+)
+
+# prep: ``chunk`` elements of one matrix per program. A 768x2048 matrix is 1.5 Mi elements:
+# 32 Ki chunks give 48 programs per matrix, so even a batch of 4 fills the 132 SMs.
+PREP_CONFIGS = (
+    Config(block=2048, chunk=32768, num_warps=8),
+    Config(block=1024, chunk=16384, num_warps=4),
+    Config(block=4096, chunk=32768, num_warps=8),
+    Config(block=2048, chunk=8192, num_warps=8),
+    Config(block=4096, chunk=131072, num_warps=16),
+)
+PREP_INTERPRETER_CONFIG = Config(block=256, chunk=1024, num_warps=4)
+
+# apply: 2-D tiles of block_m x block (rows x columns) so a transposed update view is read
+# along its contiguous dimension and the parameter along its own.
+APPLY_CONFIGS = (
+    Config(block=128, block_m=32, num_warps=8),
+    Config(block=64, block_m=64, num_warps=8),
+    Config(block=256, block_m=16, num_warps=8),
+    Config(block=128, block_m=64, num_warps=8),
+    Config(block=64, block_m=32, num_warps=4),
+)
+APPLY_INTERPRETER_CONFIG = Config(block=32, block_m=16, num_warps=4)
+
+
+@triton.jit
+def _prep_tile(m_ptr, g_ptr, u_ptr, offs, mask, mu, NESTEROV: tl.constexpr):
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = m * mu + g
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    u = m * mu + g if NESTEROV else m
+    u = u.to(u_ptr.dtype.element_ty)
+    tl.store(u_ptr + offs, u, mask=mask)
+    return u.to(tl.float32)
+
+
+@triton.jit
+def _muon_prep_kernel(
+    table,  # [B, 2] int64: momentum, gradient addresses
+    out,  # [B, numel] update, contiguous
+    partial,  # [B, chunks] fp32 partial sums of squares
+    numel,  # elements per matrix
+    chunks,  # programs per matrix
+    mu,
+    M_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    start = i_c * CHUNK
+    m_ptr = tl.load(table + i_b * 2).to(tl.pointer_type(M_DTYPE)) + start
+    g_ptr = tl.load(table + i_b * 2 + 1).to(tl.pointer_type(G_DTYPE)) + start
+    if ALIGNED:
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+    u_ptr = out + i_b * numel + start
+    count = tl.minimum(numel - start, CHUNK)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    n_full = count // BLOCK
+    for i_t in range(n_full):
+        u = _prep_tile(m_ptr, g_ptr, u_ptr, i_t * BLOCK + offs, None, mu, NESTEROV)
+        acc += u * u
+    tail = count - n_full * BLOCK
+    if tail > 0:
+        mask = offs < tail
+        u = _prep_tile(m_ptr, g_ptr, u_ptr, n_full * BLOCK + offs, mask, mu, NESTEROV)
+        acc += tl.where(mask, u * u, 0.0)
+    tl.store(partial + i_b * chunks + i_c, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _muon_apply_kernel(
+    table,  # [B] int64: parameter addresses (each a contiguous rows x cols matrix)
+    update,  # [B, rows, cols] with strides below
+    rows,
+    cols,
+    stride_ub,
+    stride_ur,
+    stride_uc,
+    decay,  # 1 - lr * weight_decay
+    alpha,  # adjusted_lr
+    X_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1).to(tl.int64)
+    tiles_c = tl.cdiv(cols, BLOCK)
+    r = (i_t // tiles_c) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = (i_t % tiles_c) * BLOCK + tl.arange(0, BLOCK)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    x_ptr = tl.load(table + i_b).to(tl.pointer_type(X_DTYPE))
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+    p_x = x_ptr + r[:, None] * cols + c[None, :]
+    p_u = update + i_b * stride_ub + r[:, None] * stride_ur + c[None, :] * stride_uc
+    u = tl.load(p_u, mask=mask).to(tl.float32)
+    x = tl.load(p_x, mask=mask).to(tl.float32)
+    x = x * decay - alpha * u
+    tl.store(p_x, x.to(X_DTYPE), mask=mask)
+
+
+def _table(name: str, tensors_lists: Sequence[Sequence[Tensor]]) -> Tensor:
+    ptrs = tuple(tuple(t.data_ptr() for t in ts) for ts in zip(*tensors_lists, strict=True))
+    device = tensors_lists[0][0].device
+    return TABLES.get((name, device, ptrs), lambda: np.array(ptrs, dtype=np.int64), device)
+
+
+def _check_matrices(names, lists) -> int:
+    """Validate a batch of same-shape, same-dtype matrices; return the batch size."""
+    check_lists(names, lists)
+    if not lists[0]:
+        raise ValueError("empty batch")
+    shape = lists[0][0].shape
+    for name, tensors in zip(names, lists, strict=True):
+        for i, t in enumerate(tensors):
+            if t.shape != shape or t.dtype != tensors[0].dtype:
+                raise ValueError(
+                    f"{name}[{i}] is {t.dtype} {tuple(t.shape)}, expected "
+                    f"{tensors[0].dtype} {tuple(shape)}"
+                )
+    return len(lists[0])
+
+
+def _prep_launch(momentums, grads, mu, nesterov, out, partial, config: Config) -> None:
+    batch = len(momentums)
+    numel = momentums[0].numel()
+    chunks = triton.cdiv(numel, config.chunk)
+    _muon_prep_kernel[(chunks, batch)](
+        _table("muon_prep", (momentums, grads)),
+        out,
+        partial,
+        numel,
+        chunks,
+        mu,
+        triton_dtype(momentums[0].dtype),
+        triton_dtype(grads[0].dtype),
+        NESTEROV=nesterov,
+        CHUNK=config.chunk,
+        BLOCK=config.block,
+        ALIGNED=all_aligned((momentums, grads)),
+        num_warps=config.num_warps,
+        # mu*M + G rounded after the product, as the reference's separate mul_ and add_:
+        # U then matches the reference bit for bit on the GPU.
+        enable_fp_fusion=False,
+    )
+
+
+def muon_prep(
+    momentums: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    mu: float,
+    nesterov: bool,
+    out: Tensor | None = None,
+    sumsq: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Fused momentum update + update matrix + sum of squares for a batch of same-shape
+    matrices, in one launch (plus a [B, chunks] -> [B] sum). Same math as
+    ``muon_prep_reference``: U rounded to nearest even once; ``sumsq`` sums the stored
+    values. ``out`` must be contiguous [B, m, n] (bf16 unless the caller wants otherwise)."""
+    batch = _check_matrices(("momentums", "grads"), (momentums, grads))
+    shape = momentums[0].shape
+    device = momentums[0].device
+    numel = momentums[0].numel()
+    if out is None:
+        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
+    if sumsq is None:
+        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
+    if out.numel() != batch * numel or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out must be a contiguous [{batch}, *{tuple(shape)}] tensor on {device}")
+    if sumsq.shape != (batch,) or sumsq.dtype != torch.float32:
+        raise ValueError(f"sumsq must be fp32 of shape [{batch}]")
+    if numel == 0:
+        sumsq.zero_()
+        return out, sumsq
+    key = (
+        dtype_name(momentums[0].dtype),
+        dtype_name(grads[0].dtype),
+        dtype_name(out.dtype),
+        bucket(numel),
+        bucket(batch),
+        bool(nesterov),
+    )
+
+    def bench(config: Config) -> float:
+        scratch_m, scratch_g = scratch_like(momentums), scratch_like(grads)
+        scratch_out = torch.empty_like(out)
+        part = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+        return bench_ms(
+            lambda: _prep_launch(scratch_m, scratch_g, mu, nesterov, scratch_out, part, config)
+        )
+
+    config = TUNER.choose("muon_prep", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
+    partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+    _prep_launch(momentums, grads, float(mu), bool(nesterov), out, partial, config)
+    torch.sum(partial, dim=1, out=sumsq)
+    return out, sumsq
+
+
+def _apply_launch(params, update, rows, cols, decay, alpha, config: Config) -> None:
+    batch = len(params)
+    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block)
+    _muon_apply_kernel[(tiles, batch)](
+        _table("muon_apply", (params,)),
+        update,
+        rows,
+        cols,
+        update.stride(0),
+        update.stride(1),
+        update.stride(2),
+        decay,
+        alpha,
+        triton_dtype(params[0].dtype),
+        BLOCK_M=config.block_m,
+        BLOCK=config.block,
+        ALIGNED=all_aligned((params,)),
+        num_warps=config.num_warps,
+    )
+
+
+def muon_apply_(
+    params: Sequence[Tensor],
+    update: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    adjusted_lr: float,
+) -> None:
+    """X = X (1 - lr wd) - adjusted_lr U for a batch in one launch, math in fp32.
+
+    ``params`` are contiguous tensors of m*n elements each, read as row-major [m, n];
+    ``update`` is [B, m, n] with any strides (a ``.mT`` view of a contiguous [B, n, m]
+    tensor is read along its contiguous dimension)."""
+    check_lists(("params",), (params,))
+    batch = len(params)
+    if update.ndim != 3 or update.shape[0] != batch:
+        raise ValueError(f"update must be [{batch}, m, n], got {tuple(update.shape)}")
+    rows, cols = update.shape[1], update.shape[2]
+    device = params[0].device
+    for i, x in enumerate(params):
+        if x.numel() != rows * cols or x.dtype != params[0].dtype:
+            raise ValueError(
+                f"params[{i}]: {x.numel()} elements of {x.dtype}, expected "
+                f"{rows * cols} of {params[0].dtype}"
+            )
+    if update.device != device:
+        raise ValueError(f"update is on {update.device}, params on {device}")
+    if rows * cols == 0:
+        return
+    decay, alpha = 1.0 - lr * weight_decay, float(adjusted_lr)
+    transposed = update.stride(2) != 1
+    key = (
+        dtype_name(params[0].dtype),
+        dtype_name(update.dtype),
+        bucket(rows),
+        bucket(cols),
+        bucket(batch),
+        "t" if transposed else "n",
+    )
+
+    def bench(config: Config) -> float:
+        scratch_x = scratch_like(params)
+        scratch_u = torch.randn_like(update, dtype=torch.float32).to(update.dtype)
+        if transposed:  # same strides as the caller's view
+            scratch_u = torch.empty_strided(
+                update.shape, update.stride(), dtype=update.dtype, device=device
+            ).copy_(scratch_u)
+        return bench_ms(
+            lambda: _apply_launch(scratch_x, scratch_u, rows, cols, decay, alpha, config)
+        )
+
+    config = TUNER.choose("muon_apply", key, APPLY_CONFIGS, APPLY_INTERPRETER_CONFIG, device, bench)
+    _apply_launch(params, update, rows, cols, decay, alpha, config)
 
 
 def muon_prep_reference(

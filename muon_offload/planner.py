@@ -7,7 +7,8 @@ A step's work is cut into *units*, and units are packed into *chunks* of at most
   that is orthogonalized together. A parameter is never split across units, so a packed
   parameter (dion's ``split_sizes``) or a 3-D stack of matrices is updated exactly once.
 - Element-wise (adamw, lion) state has no structure to respect, so a parameter is cut
-  anywhere into segments and no chunk is forced over budget by a large embedding.
+  anywhere (on a multiple of SEGMENT_ALIGN elements) into segments, and no chunk is forced
+  over budget by a large embedding.
 - A single muon parameter larger than ``chunk_bytes`` becomes a unit and a chunk of its own.
 
 Budgets are counted in ``plan_bytes``: a parameter's state bytes computed from its *global*
@@ -19,6 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+
+# Element-wise cuts fall on multiples of this many elements, so every segment of a parameter
+# and of its state starts 16-byte aligned (fp32 and bf16 alike) and the kernels keep their
+# vector loads; a chunk may go over budget by less than this many elements' state.
+SEGMENT_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -149,10 +155,14 @@ class _Packer:
         per_elem = max(1, -(-p.plan_bytes // max(p.numel, 1)))
         start = 0
         while start < p.numel:
-            room = (self.chunk_bytes - self.used) // per_elem
+            room = max(0, self.chunk_bytes - self.used) // per_elem
+            if room < p.numel - start:
+                room -= room % SEGMENT_ALIGN
             if room == 0:
                 self.close()
-                room = max(1, self.chunk_bytes // per_elem)
+                room = max(SEGMENT_ALIGN, self.chunk_bytes // per_elem)
+                if room < p.numel - start:
+                    room -= room % SEGMENT_ALIGN
             stop = min(p.numel, start + room)
             self._append_segment(p, Segment(p.index, start, stop), (stop - start) * per_elem)
             start = stop

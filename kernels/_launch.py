@@ -1,0 +1,274 @@
+"""Launch helpers shared by the kernel families: pointer tables, the tuner and its disk cache.
+
+Multi-tensor kernels read their segments through a pointer table: an int64 tensor on the
+device whose rows hold the segments' addresses (the kernel casts them to typed pointers).
+Tables are built on the host with numpy and cached by the addresses and sizes they describe,
+so a step that reuses its staging buffers and parameters re-sends nothing.
+
+Tuning runs on scratch tensors of the same sizes and dtypes as the call, never on the
+caller's tensors: an in-place update therefore lands exactly once whatever the tuner does.
+Results go to a JSON file per GPU name and Triton version (``MUON_OFFLOAD_CACHE_DIR``, else
+``~/.cache/muon_offload``). Under the interpreter (``TRITON_INTERPRET=1``) every kernel uses
+its single interpreter config and nothing is tuned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# Address alignment (bytes) that the kernels may promise the compiler for 16-byte accesses.
+ALIGN_BYTES = 16
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run under the CPU interpreter (read per call, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("MUON_OFFLOAD_AUTOTUNE", "1") != "0" and not interpreted()
+
+
+def bucket(n: int) -> int:
+    """Next power of two: tuning keys grow by doubling, so new sizes rarely re-tune."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.cache
+def triton_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    table = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if dtype not in table:
+        raise TypeError(f"unsupported dtype {dtype}; expected float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_lists(names: Sequence[str], lists: Sequence[Sequence[Tensor]]) -> list[int]:
+    """Validate parallel segment lists (same lengths and element counts, contiguous, one
+    device); return the segments' element counts. One pass of cheap attribute reads: this
+    runs on every step, for every chunk."""
+    count = len(lists[0])
+    numels = [t.numel() for t in lists[0]]
+    devices = set()
+    for name, tensors in zip(names, lists, strict=True):
+        if len(tensors) != count:
+            raise ValueError(f"{name}: {len(tensors)} tensors, expected {count}")
+        if [t.numel() for t in tensors] != numels:
+            raise ValueError(f"{name}: element counts differ from {names[0]}'s")
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError(f"{name}: every tensor must be contiguous")
+        devices.update(t.get_device() for t in tensors)
+    if len(devices) > 1:
+        raise ValueError(f"tensors on several devices: {sorted(devices)}")
+    return numels
+
+
+def group_by_dtype(lists: Sequence[Sequence[Tensor]]) -> dict[tuple, list[int]]:
+    """Segment indices grouped by the tuple of their dtypes (one launch per group)."""
+    dtypes = [[t.dtype for t in tensors] for tensors in lists]
+    if all(d.count(d[0]) == len(d) for d in dtypes if d):  # the usual case: one group
+        return {tuple(d[0] for d in dtypes): list(range(len(dtypes[0])))} if dtypes[0] else {}
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(zip(*dtypes, strict=True)):
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def chunk_rows(ptrs: np.ndarray, numels: np.ndarray, chunk: int) -> np.ndarray:
+    """Rows ``[ptr_0 .. ptr_{k-1}, start, count]``: one per chunk of ``chunk`` elements of each
+    segment. ``ptrs`` is [S, k] int64 (base addresses), ``numels`` is [S]."""
+    per_seg = np.maximum((numels + chunk - 1) // chunk, 0)
+    seg = np.repeat(np.arange(len(numels)), per_seg)
+    first = np.cumsum(per_seg) - per_seg
+    start = (np.arange(len(seg)) - np.repeat(first, per_seg)) * chunk
+    count = np.minimum(numels[seg] - start, chunk)
+    return np.concatenate([ptrs[seg], start[:, None], count[:, None]], axis=1).astype(np.int64)
+
+
+class TableCache:
+    """Device copies of pointer tables, keyed by everything their contents depend on.
+
+    A key names the addresses and sizes, so an entry stays correct even when the memory it
+    points to is freed and reused: the same key always describes the same table."""
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, build: Callable[[], np.ndarray], device: torch.device) -> Tensor:
+        with self._lock:
+            table = self._entries.get(key)
+            if table is not None:
+                self._entries.move_to_end(key)
+                return table
+        host = torch.from_numpy(np.ascontiguousarray(build()))
+        if device.type == "cuda":
+            # Pinned + non_blocking: no stream sync; the host allocator keeps the pinned block
+            # alive until the copy has run.
+            table = host.pin_memory().to(device, non_blocking=True)
+        else:
+            table = host.to(device)
+        with self._lock:
+            self._entries[key] = table
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return table
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+TABLES = TableCache()
+
+
+def all_aligned(lists: Sequence[Sequence[Tensor]]) -> bool:
+    return all(t.data_ptr() % ALIGN_BYTES == 0 for tensors in lists for t in tensors)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A launch configuration. ``block`` elements per tile; ``chunk`` elements per program
+    (multi-tensor kernels) or ``block_m`` x ``block`` tiles (2-D kernels)."""
+
+    block: int
+    chunk: int = 0
+    block_m: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def label(self) -> str:
+        parts = [f"block={self.block}"]
+        if self.chunk:
+            parts.append(f"chunk={self.chunk}")
+        if self.block_m:
+            parts.append(f"block_m={self.block_m}")
+        parts.append(f"warps={self.num_warps}")
+        return " ".join(parts)
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+class Tuner:
+    """Chooses a config per (kernel, key) by timing candidates on scratch data, and caches the
+    choice in memory and on disk."""
+
+    def __init__(self) -> None:
+        self._memory: dict[str, dict] = {}
+        self._loaded: set[str] = set()
+        self._lock = threading.Lock()
+        self.last: dict[str, dict] = {}  # kernel -> the latest decision (for `tune` reports)
+        self.retune = False  # time the candidates again even when a decision is cached
+        # (device index, cache dir, name) -> config: this process's decisions, no lock or I/O
+        self._chosen: dict[tuple, Config] = {}
+
+    @staticmethod
+    def cache_path(device: torch.device) -> Path:
+        import triton
+
+        root = Path(os.environ.get("MUON_OFFLOAD_CACHE_DIR", Path.home() / ".cache/muon_offload"))
+        name = _device_name(device.index).replace(" ", "_").replace("/", "_")
+        return root / f"tune-{name}-triton{triton.__version__}.json"
+
+    def _load(self, path: Path) -> None:
+        key = str(path)
+        if key in self._loaded:
+            return
+        self._loaded.add(key)
+        with contextlib.suppress(OSError, ValueError):
+            self._memory.update(json.loads(path.read_text()))
+
+    def _save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self._memory, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    def choose(
+        self,
+        kernel: str,
+        key: tuple,
+        configs: Sequence[Config],
+        interpreter_config: Config,
+        device: torch.device,
+        bench: Callable[[Config], float] | None,
+        force: bool = False,
+    ) -> Config:
+        """``bench(config) -> ms`` must run on scratch tensors (it is called once per config)."""
+        if interpreted() or device.type != "cuda":
+            return interpreter_config
+        if not autotune_enabled() and not force:
+            return configs[0]
+        name = f"{kernel}|" + "|".join(str(k) for k in key)
+        fast = self._chosen.get((device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), name))
+        if fast is not None and not (force or self.retune):
+            return fast
+        with self._lock:
+            path = self.cache_path(device)
+            self._load(path)
+            hit = self._memory.get(name)
+        if hit is not None and not (force or self.retune):
+            self.last[kernel] = {"key": name, **hit}
+            fast = Config(**hit["config"])
+            self._chosen[(device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), name)] = fast
+            return fast
+        if bench is None:
+            return configs[0]
+        timings = []
+        for config in configs:
+            try:
+                timings.append((bench(config), config))
+            except Exception:  # a config that fails to compile or launch is skipped
+                continue
+        if not timings:
+            raise RuntimeError(f"no config of {kernel} ran for key {key}")
+        ms, best = min(timings, key=lambda t: t[0])
+        entry = {"config": asdict(best), "ms": ms, "all_ms": {c.label(): t for t, c in timings}}
+        with self._lock:
+            self._memory[name] = entry
+            self.last[kernel] = {"key": name, **entry}
+            self._chosen[(device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), name)] = best
+            self._save(path)
+        return best
+
+
+TUNER = Tuner()
+
+
+def bench_ms(fn: Callable[[], None], reps: int = 20) -> float:
+    """Median time of ``fn`` in milliseconds (CUDA events, after warm-up)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+
+
+def scratch_like(tensors: Sequence[Tensor], *, positive: bool = False) -> list[Tensor]:
+    """Fresh random tensors with the sizes, shapes and dtypes of ``tensors`` (never zeros)."""
+    out = []
+    for t in tensors:
+        s = torch.randn(t.shape, dtype=torch.float32, device=t.device)
+        if positive:
+            s = s.abs_().add_(1e-3)
+        out.append(s.to(t.dtype))
+    return out

@@ -1,0 +1,119 @@
+"""``muon-offload tune``: tune the kernels for the shapes of a workload on this GPU.
+
+Times every candidate config of each kernel on scratch tensors of the workload's shapes,
+stores the winners in the tuning cache (``MUON_OFFLOAD_CACHE_DIR``, else
+``~/.cache/muon_offload``), and prints the chosen config and achieved bandwidth per kernel
+(bytes read + written over the median time of the winner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+
+import torch
+
+from .workloads import WORKLOADS, workload
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="muon-offload tune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="qwen3-30b-a3b-ep8-rank", choices=sorted(WORKLOADS))
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+    ap.add_argument("--batch", type=int, default=8, help="matrices per Muon launch")
+    ap.add_argument("--param-dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--grad-dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--state-dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--cached", action="store_true", help="report cached choices, time nothing new")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        print("muon-offload tune: needs a CUDA GPU (tuning times kernels on the device)")
+        return 2
+    from .kernels import _launch
+    from .kernels.elementwise import adamw_
+    from .kernels.muon import muon_apply_, muon_prep
+
+    device = torch.device("cuda")
+    p_dt, g_dt, s_dt = (DTYPES[d] for d in (args.param_dtype, args.grad_dtype, args.state_dtype))
+    sz = {d: torch.empty((), dtype=d).element_size() for d in (p_dt, g_dt, s_dt)}
+    specs = workload(args.workload, args.layers)
+    _launch.TUNER.retune = not args.cached
+    rows = []
+
+    def record(kernel: str, shape: str, nbytes: int) -> None:
+        last = _launch.TUNER.last.get(kernel, {})
+        ms = last.get("ms", float("nan"))
+        label = _launch.Config(**last["config"]).label() if "config" in last else "?"
+        rows.append(
+            {
+                "kernel": kernel,
+                "shape": shape,
+                "config": label,
+                "ms": ms,
+                "GB/s": nbytes / ms / 1e6 if ms == ms else float("nan"),
+            }
+        )
+
+    def rand(shape, dtype, positive=False):
+        x = torch.randn(shape, device=device)
+        return (x.abs_().add_(1e-3) if positive else x).to(dtype)
+
+    adamw = [s for s in specs if s.algorithm == "adamw"]
+    if adamw:
+        p = [rand(s.shape, p_dt) for s in adamw]
+        g = [rand(s.shape, g_dt) for s in adamw]
+        m = [rand(s.shape, s_dt) for s in adamw]
+        v = [rand(s.shape, s_dt, positive=True) for s in adamw]
+        adamw_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+        n = sum(s.numel for s in adamw)
+        record(
+            "adamw",
+            f"{len(adamw)} tensors, {n} elements",
+            n * (2 * sz[p_dt] + sz[g_dt] + 4 * sz[s_dt]),
+        )
+        del p, g, m, v
+
+    for shape, count in Counter(s.shape for s in specs if s.algorithm == "muon").items():
+        batch = min(count, args.batch)
+        numel = shape[0] * shape[1]
+        mom = [rand(shape, s_dt) for _ in range(batch)]
+        grads = [rand(shape, g_dt) for _ in range(batch)]
+        out, _ = muon_prep(mom, grads, mu=0.95, nesterov=True)
+        label = f"{batch} x {shape[0]}x{shape[1]}"
+        record("muon_prep", label, batch * numel * (2 * sz[s_dt] + sz[g_dt] + 2))
+        params = [rand(shape, p_dt) for _ in range(batch)]
+        tall = shape[0] > shape[1]
+        update = out.mT.contiguous().mT if tall else out  # orthogonalize's layout
+        muon_apply_(params, update, lr=0.02, weight_decay=0.1, adjusted_lr=0.02)
+        record(
+            "muon_apply",
+            label + (" (U transposed)" if tall else ""),
+            batch * numel * (2 * sz[p_dt] + 2),
+        )
+        del mom, grads, out, params, update
+    torch.cuda.synchronize()
+    _launch.TUNER.retune = False
+
+    print(f"{torch.cuda.get_device_name(device)}; cache {_launch.Tuner.cache_path(device)}")
+    print(f"{'kernel':<11} {'shape':<34} {'config':<34} {'ms':>8} {'GB/s':>8}")
+    for r in rows:
+        print(
+            f"{r['kernel']:<11} {r['shape']:<34} {r['config']:<34} {r['ms']:>8.3f} "
+            f"{r['GB/s']:>8.0f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

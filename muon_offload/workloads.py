@@ -1,0 +1,102 @@
+"""Named optimizer workloads: lists of parameter shapes and the algorithm that updates each.
+
+``qwen3-30b-a3b-ep8-rank`` is one rank's optimizer work when Qwen3-30B-A3B trains on 8 GPUs
+with expert parallelism 8 (the bench workload of ``shared/ANCHORS.md``); ``tiny`` is a few
+small matrices and vectors for CPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    algorithm: str  # "muon" or "adamw"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+QWEN3_LAYERS = 48
+QWEN3_LOCAL_EXPERTS = 16  # 128 experts / EP 8
+QWEN3_ATTENTION_LAYERS = (0, 8, 16, 24, 32, 40)  # this rank's share of the attention weights
+
+
+def qwen3_30b_a3b_ep8_rank(layers: int = QWEN3_LAYERS) -> list[ParamSpec]:
+    """3,749,707,776 Muon and 77,987,840 AdamW parameters at 48 layers; ``layers`` keeps the
+    first N layers (the embedding and lm_head shards stay)."""
+    if not 0 <= layers <= QWEN3_LAYERS:
+        raise ValueError(f"layers must be in [0, {QWEN3_LAYERS}], got {layers}")
+    specs: list[ParamSpec] = []
+    for i in range(layers):
+        pre = f"layers.{i}"
+        if i in QWEN3_ATTENTION_LAYERS:
+            for proj, shape in (
+                ("q", (4096, 2048)),
+                ("k", (512, 2048)),
+                ("v", (512, 2048)),
+                ("o", (2048, 4096)),
+            ):
+                specs.append(ParamSpec(f"{pre}.attn.{proj}_proj", shape, "muon"))
+        specs.append(ParamSpec(f"{pre}.mlp.router", (128, 2048), "muon"))
+        for e in range(QWEN3_LOCAL_EXPERTS):
+            for proj, shape in (("gate", (768, 2048)), ("up", (768, 2048)), ("down", (2048, 768))):
+                specs.append(ParamSpec(f"{pre}.mlp.experts.{e}.{proj}_proj", shape, "muon"))
+        specs.append(ParamSpec(f"{pre}.input_norm", (2048,), "adamw"))
+        specs.append(ParamSpec(f"{pre}.post_attention_norm", (2048,), "adamw"))
+    specs.append(ParamSpec("embed_tokens", (18992, 2048), "adamw"))
+    specs.append(ParamSpec("lm_head", (18992, 2048), "adamw"))
+    return specs
+
+
+def tiny(layers: int = 2) -> list[ParamSpec]:
+    """A few small matrices (wide, tall, odd) and vectors: runs on the CPU in seconds."""
+    specs: list[ParamSpec] = []
+    for i in range(layers):
+        specs += [
+            ParamSpec(f"layers.{i}.up", (48, 96), "muon"),
+            ParamSpec(f"layers.{i}.down", (96, 48), "muon"),
+            ParamSpec(f"layers.{i}.gate", (48, 96), "muon"),
+            ParamSpec(f"layers.{i}.odd", (33, 70), "muon"),
+            ParamSpec(f"layers.{i}.norm", (96,), "adamw"),
+        ]
+    specs.append(ParamSpec("embed", (100, 48), "adamw"))
+    return specs
+
+
+WORKLOADS = {"qwen3-30b-a3b-ep8-rank": qwen3_30b_a3b_ep8_rank, "tiny": tiny}
+
+
+def workload(name: str, layers: int | None = None) -> list[ParamSpec]:
+    if name not in WORKLOADS:
+        raise KeyError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name]() if layers is None else WORKLOADS[name](layers)
+
+
+def materialize(
+    specs: list[ParamSpec],
+    device: torch.device | str = "cpu",
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> list[torch.nn.Parameter]:
+    """Parameters with random values and random (never zero) gradients of the same shapes."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for spec in specs:
+        p = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.float32)
+        p = torch.nn.Parameter(p.mul_(0.02).to(dtype))
+        p.grad = torch.randn(spec.shape, generator=gen, device=device, dtype=torch.float32).to(
+            dtype
+        )
+        params.append(p)
+    return params
