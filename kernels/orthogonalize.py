@@ -63,7 +63,8 @@ def orthogonalize(
     if sumsq is None:
         sumsq = x.float().square().sum(dim=(-2, -1))
     scale = 1.0 / (sumsq.sqrt() * norm_scale + eps)
-    x = (x.float() * scale[:, None, None]).to(torch.bfloat16)
+    # One bf16 multiply (fp32 inside, one rounding): no fp32 copy of the batch.
+    x = x * scale.to(torch.bfloat16)[:, None, None]
     for a, b, c in coeffs:
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)

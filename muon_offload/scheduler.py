@@ -107,20 +107,27 @@ class StreamScheduler:
             make_events = lambda: [torch.cuda.Event() for _ in range(ring)]  # noqa: E731
             self._loaded, self._updated, self._stored = make_events(), make_events(), make_events()
             self._stored_once = [False] * ring
+        # When set to a list, each step appends per chunk (chunk, load, update, store) pairs
+        # of CUDA events, for the bench's timeline; None (default) records nothing.
+        self.timeline: list | None = None
 
     @property
     def staging_bytes(self) -> int:
         return self._staging_bytes * len(self._staging)
 
-    def reserve(self, nbytes: int) -> None:
-        """Size the ring for the largest chunk; reallocates only when it must grow."""
-        if nbytes <= self._staging_bytes:
+    def reserve(self, nbytes: int, slots: int) -> None:
+        """Size the ring for the largest chunk (and no more slots than there are chunks);
+        reallocates only when it must grow."""
+        slots = min(self.ring, max(slots, 1))
+        if nbytes <= self._staging_bytes and slots <= len(self._staging):
             return
-        self._staging = []  # drop the old buffers before taking new ones
+        nbytes = max(nbytes, self._staging_bytes)
+        slots = max(slots, len(self._staging))
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # old slots may be in flight
+        self._staging = []  # drop the old buffers before taking new ones
         self._staging = [
-            torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.ring)
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(slots)
         ]
         self._staging_bytes = nbytes
         if self.cuda:
@@ -142,9 +149,10 @@ class StreamScheduler:
 
         ``None`` marks a resident chunk: ``update(i, None)`` runs on its state in place.
         """
-        self.reserve(max((t.nbytes for t in transfers if t is not None), default=0))
         streamed = [i for i, t in enumerate(transfers) if t is not None]
-        slot_of = {chunk: k % self.ring for k, chunk in enumerate(streamed)}
+        self.reserve(max((t.nbytes for t in transfers if t is not None), default=0),
+                     len(streamed))
+        slot_of = {chunk: k % len(self._staging) for k, chunk in enumerate(streamed)}
         if not self.cuda:
             for i, transfer in enumerate(transfers):
                 if transfer is None:
@@ -177,7 +185,9 @@ class StreamScheduler:
                 self._load(ahead, slot_of[ahead], transfers)
                 next_load += 1
             compute.wait_event(self._loaded[slot])
+            marks = self._mark(i, "update", compute)
             update(i, self._views(slot, transfer))
+            self._end_mark(marks, compute)
             self._updated[slot].record(compute)
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(self._updated[slot])
@@ -198,7 +208,22 @@ class StreamScheduler:
                 # The slot's previous chunk must be written back (and so done being
                 # updated) before new bytes land in it.
                 self.h2d_stream.wait_event(self._stored[slot])
+            marks = self._mark(chunk, "load", self.h2d_stream)
             buf = self._staging[slot]
             for run in transfers[chunk].runs:
                 buf[run.offset : run.offset + run.host.numel()].copy_(run.host, non_blocking=True)
+            self._end_mark(marks, self.h2d_stream)
             self._loaded[slot].record(self.h2d_stream)
+
+    def _mark(self, chunk: int, stage: str, stream):
+        if self.timeline is None:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        self.timeline.append((chunk, stage, start, end))
+        return end
+
+    @staticmethod
+    def _end_mark(end, stream) -> None:
+        if end is not None:
+            end.record(stream)
