@@ -113,11 +113,16 @@ def timeline(opt) -> list[dict]:
     opt.step()
     _sync()
     marks, sched.timeline = sched.timeline, None
-    t0 = min(start for _, _, start, _ in marks)
-    return [
-        {"chunk": c, "stage": stage, "start_ms": t0.elapsed_time(s), "end_ms": t0.elapsed_time(e)}
+    ref = marks[0][2]  # the first event recorded; times may be negative relative to it
+    rows = [
+        {"chunk": c, "stage": stage, "start_ms": ref.elapsed_time(s), "end_ms": ref.elapsed_time(e)}
         for c, stage, s, e in marks
     ]
+    t0 = min(r["start_ms"] for r in rows)
+    for r in rows:
+        r["start_ms"] -= t0
+        r["end_ms"] -= t0
+    return rows
 
 
 def run_ours(args, bw) -> dict:
@@ -141,14 +146,18 @@ def run_ours(args, bw) -> dict:
     opt = mode("ours_resident")
     del opt
     torch.cuda.empty_cache()
+
+    def sweep(opt, key):
+        results[key] = {}
+        for mib in args.chunk_mib:  # same host state, other chunk sizes: a fresh ring each
+            opt.chunk_bytes, opt._scheduler = mib * MIB, None
+            opt._plans.clear()
+            torch.cuda.empty_cache()
+            results[key][mib] = time_steps(opt, 1, args.steps, base)
+
     opt = mode("ours_offload_fp32", offload=True)
     results["timeline_fp32"] = timeline(opt)
-    results["chunk_sweep"] = {}
-    for mib in args.chunk_mib:  # same host state, other chunk sizes: a fresh ring each
-        opt.chunk_bytes, opt._scheduler = mib * MIB, None
-        opt._plans.clear()
-        torch.cuda.empty_cache()
-        results["chunk_sweep"][mib] = time_steps(opt, 1, args.steps, base)
+    sweep(opt, "chunk_sweep")
     opt.chunk_bytes, opt._scheduler = 1 << 50, None  # everything in one chunk
     opt._plans.clear()
     torch.cuda.empty_cache()
@@ -158,6 +167,7 @@ def run_ours(args, bw) -> dict:
     torch.cuda.empty_cache()
     opt = mode("ours_offload_bf16", offload=True, state_dtype=torch.bfloat16)
     results["timeline_bf16"] = timeline(opt)
+    sweep(opt, "chunk_sweep_bf16")
     return results
 
 
@@ -206,15 +216,31 @@ def dion_worker(args) -> None:
     opt = dion.Muon(groups, lr=0.01)
     r = time_steps(opt, args.warmup, args.steps, base)
     r["commit"] = os.environ.get("DION_COMMIT", "0a059a4")
+
+    # ANCHORS.md's all-at-once baseline: every state tensor copied from persistent pinned host
+    # buffers to the GPU, dion's step, and back.
+    state = [t for s in opt.state.values() for k, t in s.items() if k in ("momentum", "variance")]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in state]
+
+    class AllAtOnce:
+        @staticmethod
+        def step():
+            for t, h in zip(state, host, strict=True):
+                t.copy_(h, non_blocking=True)
+            opt.step()
+            for t, h in zip(state, host, strict=True):
+                h.copy_(t, non_blocking=True)
+
+    r["all_at_once"] = time_steps(AllAtOnce, 1, args.steps, base)
     print(json.dumps(r))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="JSON file for the results (required)")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--memory-layers", type=int, nargs="*", default=[12, 24])
-    ap.add_argument("--chunk-mib", type=int, nargs="*", default=[64, 128, 512])
+    ap.add_argument("--chunk-mib", type=int, nargs="*", default=[32, 64, 128, 512])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--dion-path", default=None)
@@ -223,6 +249,8 @@ def main() -> int:
     if args.dion_worker:
         dion_worker(args)
         return 0
+    if not args.out:
+        ap.error("--out is required")
     import triton
 
     info = {
@@ -273,6 +301,7 @@ def report(r: dict) -> None:
     ]
     if "median_s" in dion:
         rows.append(("dion resident (eager)", dion, None))
+        rows.append(("dion all-at-once offload", dion["all_at_once"], floor["fp32"]["floor_s"]))
     print(f"{'mode':<24}{'median s':>10}{'min':>8}{'max':>8}{'+GiB':>8}{'/floor':>8}{'/dion':>8}")
     for name, m, fl in rows:
         to_floor = f"{m['median_s'] / fl:.2f}" if fl else "-"

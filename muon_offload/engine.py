@@ -26,9 +26,11 @@ from .scheduler import StreamScheduler, Transfer, plan_transfer
 
 log = logging.getLogger(__name__)
 
-# Measured on the H200 (docs/benchmarks.md): transfers of 64 MiB and more reach the PCIe
-# plateau, and 256 MiB keeps the staging ring (3 slots) plus the Muon temporaries under 2 GiB.
-DEFAULT_CHUNK_BYTES = 256 << 20
+# Chosen by a sweep on the H200 (docs/benchmarks.md, qwen3-30b-a3b-ep8-rank): 128 MiB gave the
+# fastest offloaded step for fp32 state (0.324 s against 0.326 at 64 MiB, 0.336 at 256 MiB,
+# 0.469 at 32 MiB where Muon batches get too small) and within 1% of the best for bf16 state,
+# with 0.66 GiB of GPU memory for the staging ring and temporaries.
+DEFAULT_CHUNK_BYTES = 128 << 20
 
 
 class ChunkedOptimizer(Optimizer):

@@ -29,7 +29,7 @@ class Muon(ChunkedOptimizer):
             ``use_polar_express`` and ``newton_schulz_func``.
         offload: keep optimizer state in pinned host memory and stream it through the GPU in
             chunks during ``step()``.
-        chunk_bytes: state bytes per chunk (default 256 MiB).
+        chunk_bytes: state bytes per chunk (default 128 MiB).
         resident_bytes: with offload, this much state stays on the GPU (default 0).
         state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
         backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
