@@ -12,19 +12,33 @@ A step runs in four stages:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from . import ops
+from .collectives import (
+    LOCAL,
+    Mesh,
+    local,
+    orthogonalize_replicated,
+    orthogonalize_sharded,
+    placement_of,
+    resolve_mesh,
+    run_tasks,
+)
 from .groups import Hyper, adjusted_lr, check_grad, split_lr_scales
 from .host_state import HostSlabs
 from .planner import ElementwiseUnit, MuonUnit, ParamInfo, Plan, plan_step
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 
 log = logging.getLogger(__name__)
+
+LOCAL_PLACEMENT = placement_of(torch.empty(0, 0), LOCAL, False, "")
 
 # Chosen by a sweep on the H200 (docs/benchmarks.md, qwen3-30b-a3b-ep8-rank): 128 MiB gave the
 # fastest offloaded step for fp32 state (0.324 s against 0.326 at 64 MiB, 0.336 at 256 MiB,
@@ -49,7 +63,10 @@ class ChunkedOptimizer(Optimizer):
         resident_bytes: int | None,
         state_dtype: torch.dtype | None,
         backend: str,
+        distributed_mesh=None,
     ):
+        self._mesh = resolve_mesh(distributed_mesh)
+        self._group_meshes: dict[int, Mesh] = {}
         if chunk_bytes is None:
             chunk_bytes = DEFAULT_CHUNK_BYTES
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -79,7 +96,10 @@ class ChunkedOptimizer(Optimizer):
         self._streamed: set[Tensor] = set()  # parameters whose state lives in host memory
         self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
+        self._constructed = False
         super().__init__(params, defaults)
+        self._check_ranks_agree()
+        self._constructed = True
 
     # ----------------------------------------------------------------- groups
 
@@ -87,13 +107,62 @@ class ChunkedOptimizer(Optimizer):
         raise NotImplementedError
 
     def add_param_group(self, param_group: dict) -> None:
+        # A group's own mesh (MoE experts sharded over another mesh than attention) is kept
+        # beside the group, not in it: a group dict goes into state_dict(), a mesh must not.
+        param_group = dict(param_group)
+        group_mesh = param_group.pop("distributed_mesh", None)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:
-            self._read_hyper(self.param_groups[index], index)
+            if group_mesh is not None:
+                self._group_meshes[index] = resolve_mesh(group_mesh)
+            hyper = self._read_hyper(self.param_groups[index], index)
+            for p in self.param_groups[index]["params"]:
+                if hyper.algorithm == "muon":
+                    placement_of(
+                        p,
+                        self._mesh_of(index),
+                        hyper.flatten,
+                        f"param group {index} (parameter of shape {tuple(p.shape)})",
+                    )
+            if self._constructed:
+                self._check_ranks_agree()
         except Exception:
             self.param_groups.pop()
+            self._group_meshes.pop(index, None)
             raise
+
+    def _mesh_of(self, group_index: int) -> Mesh:
+        return self._group_meshes.get(group_index, self._mesh)
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank of a mesh must hold the same parameters (global shapes and dtypes) in
+        the same groups, or the collectives would pair the wrong tensors. Checked once, at
+        construction and when a group is added, before any step's collective."""
+        meshes = {}
+        for gi in range(len(self.param_groups)):
+            mesh = self._mesh_of(gi)
+            if mesh.group is not None:
+                meshes.setdefault(id(mesh.group), (mesh, []))[1].append(gi)
+        for mesh, group_indices in meshes.values():
+            mine = [
+                (gi, self.param_groups[gi].get("algorithm"), tuple(p.shape), str(p.dtype))
+                for gi in group_indices
+                for p in self.param_groups[gi]["params"]
+            ]
+            everyone = [None] * mesh.size
+            dist.all_gather_object(everyone, mine, group=mesh.group)
+            for rank, theirs in enumerate(everyone):
+                if theirs != mine:
+                    diff = next(
+                        (a, b)
+                        for a, b in zip(mine + [None], theirs + [None], strict=False)
+                        if a != b
+                    )
+                    raise ValueError(
+                        f"parameters differ across ranks: this rank (rank {mesh.rank}) has "
+                        f"{diff[0]}, rank {rank} has {diff[1]} (group, algorithm, shape, dtype)"
+                    )
 
     def _params(self) -> list[tuple[int, Tensor]]:
         return [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
@@ -104,8 +173,25 @@ class ChunkedOptimizer(Optimizer):
         return self.state_dtype or param.dtype
 
     def _state_nbytes(self, algorithm: str, param: Tensor) -> int:
+        """Bytes of this rank's state for ``param``."""
         itemsize = self._state_dtype(param).itemsize
-        return len(self.state_keys[algorithm]) * param.numel() * itemsize
+        return len(self.state_keys[algorithm]) * local(param).numel() * itemsize
+
+    def _plan_bytes(self, gi: int, param: Tensor, hyper: Hyper) -> int:
+        """State bytes for budgeting, equal on every rank: a sharded Muon parameter counts
+        its global state over the mesh size, never its local shard."""
+        placement = self._placement(gi, param, hyper)
+        if placement.kind != "sharded":
+            return self._state_nbytes(hyper.algorithm, param)
+        itemsize = self._state_dtype(param).itemsize
+        total = len(self.state_keys[hyper.algorithm]) * param.numel() * itemsize
+        return -(-total // self._mesh_of(gi).size)
+
+    def _placement(self, gi: int, param: Tensor, hyper: Hyper):
+        if hyper.algorithm != "muon":
+            return LOCAL_PLACEMENT
+        where = f"param group {gi} (parameter of shape {tuple(param.shape)})"
+        return placement_of(param, self._mesh_of(gi), hyper.flatten, where)
 
     def _ensure_state(self, hypers: Sequence[Hyper]) -> None:
         """Create state for every parameter that has none, in plan order."""
@@ -114,8 +200,7 @@ class ChunkedOptimizer(Optimizer):
             return
         infos, params = [], []
         for gi, p in missing:
-            algorithm = hypers[gi].algorithm
-            nbytes = self._state_nbytes(algorithm, p)
+            nbytes = self._plan_bytes(gi, p, hypers[gi])
             resident = not self.offload or (
                 self.resident_bytes is not None
                 and self._resident_used + nbytes <= self.resident_bytes
@@ -133,14 +218,14 @@ class ChunkedOptimizer(Optimizer):
             keys = self.state_keys[info.algorithm]
             if info.resident:
                 dtype = self._state_dtype(p)
-                self.state[p].update({k: torch.zeros_like(p, dtype=dtype) for k in keys})
+                self.state[p].update({k: torch.zeros_like(local(p), dtype=dtype) for k in keys})
             else:
                 streamed.append((p, keys))
                 self._streamed.add(p)
         if streamed:
             if self._host is None:
-                self._host = HostSlabs(pin=streamed[0][0].is_cuda)
-            specs = [(p.shape, self._state_dtype(p)) for p, keys in streamed for _ in keys]
+                self._host = HostSlabs(pin=local(streamed[0][0]).is_cuda)
+            specs = [(local(p).shape, self._state_dtype(p)) for p, keys in streamed for _ in keys]
             tensors = iter(self._host.allocate(specs))
             for p, keys in streamed:
                 self.state[p].update({k: next(tensors) for k in keys})
@@ -188,7 +273,9 @@ class ChunkedOptimizer(Optimizer):
             gi, p = owner[saved_id]
             for key in self.state_keys[hypers[gi].algorithm]:
                 value = values.get(key)
-                if not isinstance(value, Tensor) or value.numel() != p.numel():
+                if isinstance(value, Tensor):
+                    value = local(value)
+                if not isinstance(value, Tensor) or value.numel() != local(p).numel():
                     raise ValueError(
                         f"param group {gi} (parameter of shape {tuple(p.shape)}): loaded state "
                         f"{key!r} is {'missing' if value is None else tuple(value.shape)}"
@@ -204,7 +291,7 @@ class ChunkedOptimizer(Optimizer):
             for key in self.state_keys[hypers[gi].algorithm]:
                 target = self.state[p][key]
                 if p in loaded:
-                    target.copy_(loaded[p][key].reshape(target.shape))
+                    target.copy_(local(loaded[p][key]).reshape(target.shape))
                 else:
                     target.zero_()
         self._plans.clear()
@@ -217,14 +304,14 @@ class ChunkedOptimizer(Optimizer):
     # --------------------------------------------------------------- planning
 
     def _param_info(self, index: int, group: int, p: Tensor, hyper: Hyper, resident: bool):
-        state_dtype = self._state_dtype(p)
+        placement = self._placement(group, p, hyper)
         return ParamInfo(
             index=index,
             group=group,
             algorithm=hyper.algorithm,
-            numel=p.numel(),
-            plan_bytes=self._state_nbytes(hyper.algorithm, p),
-            batch_key=(tuple(p.shape), p.dtype, state_dtype),
+            numel=local(p).numel(),
+            plan_bytes=self._plan_bytes(group, p, hyper),
+            batch_key=(tuple(p.shape), p.dtype, self._state_dtype(p), placement),
             resident=resident,
         )
 
@@ -285,12 +372,12 @@ class ChunkedOptimizer(Optimizer):
             if p.grad is None:
                 continue
             check_grad(p, gi)
-            if not p.is_contiguous():
+            if not local(p).is_contiguous():
                 raise ValueError(
                     f"param group {gi} (parameter of shape {tuple(p.shape)}): parameters must "
                     "be contiguous to be updated in place"
                 )
-            devices.add(p.device)
+            devices.add(local(p).device)
             work.append((gi, p))
         if len(devices) > 1:
             raise ValueError(
@@ -328,51 +415,69 @@ class ChunkedOptimizer(Optimizer):
         def update(i: int, views: list[Tensor] | None) -> None:
             chunk = plan.chunks[i]
             state = iter(views if views is not None else self._chunk_state(chunk, work))
-            for unit in chunk.units:
-                if isinstance(unit, MuonUnit):
-                    self._update_muon(unit, work, hypers[unit.group], state)
-                else:
-                    self._update_elementwise(
-                        unit, work, hypers[unit.group], steps[unit.group], state
-                    )
+            # Muon units run as dion-style tasks, so one unit's collective is in flight while
+            # the next unit computes; they are planned first, so they consume state first.
+            muon = [u for u in chunk.units if isinstance(u, MuonUnit)]
+            run_tasks(self._muon_task(u, work, hypers[u.group], state) for u in muon)
+            for unit in chunk.units[len(muon) :]:
+                self._update_elementwise(unit, work, hypers[unit.group], steps[unit.group], state)
 
         self._scheduler.run(transfers, update)
         return loss
 
-    def _update_muon(self, unit: MuonUnit, work, h: Hyper, state) -> None:
+    def _muon_task(self, unit: MuonUnit, work, h: Hyper, state):
+        """One Muon unit: prep, orthogonalize (with collectives when the mesh needs them),
+        apply. A generator that yields while a collective is in flight."""
         params = [work[i][1] for i in unit.params]
-        momentums = [next(state) for _ in params]
+        momentums = [next(state) for _ in params]  # before the first yield: keeps the order
         xs, gs, ms = [], [], []
         for p, m in zip(params, momentums, strict=True):
-            xs.extend(_matrices(p, h.flatten))
-            gs.extend(_matrices(p.grad, h.flatten))
+            xs.extend(_matrices(local(p), h.flatten))
+            gs.extend(_matrices(local(p.grad), h.flatten))
             ms.extend(_matrices(m, h.flatten))
-        update, sumsq = ops.muon_prep(self.backend, ms, gs, mu=h.mu, nesterov=h.nesterov)
-        shape = params[0].shape
-        ortho = ops.orthogonalize_batch(
-            update,
-            sumsq,
-            method=self._orthogonalizer(),
-            eps=h.eps,
-            split_sizes=h.split_sizes,
-            split_scales=h.split_sizes and split_lr_scales(h.split_sizes, shape, h.adjust_lr),
-        )
-        ops.muon_apply_(
-            self.backend,
-            xs,
-            ortho,
-            lr=h.lr,
-            weight_decay=h.weight_decay,
-            adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
-        )
+        if ms[0].numel():
+            update, sumsq = ops.muon_prep(self.backend, ms, gs, mu=h.mu, nesterov=h.nesterov)
+        else:  # an empty shard still takes part in every collective
+            update = torch.empty((len(ms), *ms[0].shape), dtype=torch.bfloat16, device=ms[0].device)
+            sumsq = torch.zeros(len(ms), dtype=torch.float32, device=ms[0].device)
+        shape = params[0].shape  # global shape: the lr adjustment is the whole matrix's
+        scales = h.split_sizes and split_lr_scales(h.split_sizes, shape, h.adjust_lr)
+
+        def orthogonalize(u: Tensor, s: Tensor | None) -> Tensor:
+            return ops.orthogonalize_batch(
+                u,
+                s,
+                method=self._orthogonalizer(),
+                eps=h.eps,
+                split_sizes=h.split_sizes,
+                split_scales=scales,
+            )
+
+        placement = self._placement(unit.group, params[0], h)
+        mesh = self._mesh_of(unit.group)
+        if placement.kind == "sharded":
+            ortho = yield from orthogonalize_sharded(update, placement, mesh, orthogonalize)
+        elif placement.kind == "replicated":
+            ortho = yield from orthogonalize_replicated(update, sumsq, mesh, orthogonalize)
+        else:
+            ortho = orthogonalize(update, sumsq)
+        if xs[0].numel():
+            ops.muon_apply_(
+                self.backend,
+                xs,
+                ortho,
+                lr=h.lr,
+                weight_decay=h.weight_decay,
+                adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
+            )
 
     def _update_elementwise(self, unit: ElementwiseUnit, work, h: Hyper, step: int, state):
         nkeys = len(self.state_keys[unit.algorithm])
         xs, gs, st = [], [], [[] for _ in range(nkeys)]
         for seg in unit.segments:
             p = work[seg.param][1]
-            xs.append(p.view(-1)[seg.start : seg.stop])
-            gs.append(p.grad.reshape(-1)[seg.start : seg.stop])
+            xs.append(local(p).view(-1)[seg.start : seg.stop])
+            gs.append(local(p.grad).reshape(-1)[seg.start : seg.stop])
             for k in range(nkeys):
                 st[k].append(next(state))
         if unit.algorithm == "adamw":
@@ -412,9 +517,10 @@ def _unit_params(unit) -> list[int]:
 
 
 def _matrices(t: Tensor, flatten: bool) -> list[Tensor]:
-    """The matrices a muon tensor is orthogonalized as (views, no copies for contiguous t)."""
+    """The matrices a muon tensor is orthogonalized as (views, no copies for contiguous t;
+    explicit sizes, so an empty shard still gives its count of empty matrices)."""
     if flatten:
-        return [t.reshape(t.shape[0], -1)]
+        return [t.reshape(t.shape[0], math.prod(t.shape[1:]))]
     if t.ndim == 2:
         return [t]
-    return list(t.reshape(-1, t.shape[-2], t.shape[-1]).unbind(0))
+    return list(t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1]).unbind(0))

@@ -23,6 +23,10 @@ class Muon(ChunkedOptimizer):
     3-D parameters are batches of matrices unless ``flatten``; ``split_sizes`` in a group
     orthogonalizes row blocks of a packed 2-D weight separately, as dion does.
 
+    ``distributed_mesh`` is dion's: a 1-D DeviceMesh (FSDP2 DTensor parameters), a ProcessGroup
+    (DDP, replicated parameters) or None; a param group may carry its own
+    ``distributed_mesh`` (e.g. experts sharded over an expert-parallel mesh).
+
     Beyond dion's arguments:
         orthogonalizer: ``"polar_express"``, ``"newton_schulz5"`` or a callable
             ``f(U, epsilon=eps) -> Tensor`` on a bf16 batch [B, m, n]. Overrides
@@ -62,8 +66,6 @@ class Muon(ChunkedOptimizer):
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
     ):
-        if distributed_mesh is not None:
-            raise NotImplementedError("distributed_mesh is not supported yet")
         if use_gram_newton_schulz:
             raise NotImplementedError("use_gram_newton_schulz is not supported")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:

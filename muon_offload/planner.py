@@ -85,8 +85,9 @@ class Plan:
 def plan_step(params: Sequence[ParamInfo], chunk_bytes: int) -> Plan:
     """Cut the step's parameters into units and pack the units into chunks.
 
-    Resident chunks come first. Within each part, groups keep their order, muon units
-    keep their parameters' first-seen order, and element-wise parameters keep theirs.
+    Resident chunks come first. Within each part, muon units come before element-wise
+    parameters; groups keep their order, muon units keep their parameters' first-seen
+    order, and element-wise parameters keep theirs.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -105,14 +106,18 @@ def plan_step(params: Sequence[ParamInfo], chunk_bytes: int) -> Plan:
 
 
 def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: list[int]):
-    """Yield muon units and element-wise ParamInfos in group order."""
+    """Yield muon units (groups in order), then element-wise ParamInfos (groups in order).
+
+    Muon units come first so that under sharding, where element-wise parameters are cut on
+    local sizes, the muon units (and so the collectives) fall into the same chunks on every
+    rank."""
     groups: dict[int, list[ParamInfo]] = {}
     for p in params:
         groups.setdefault(p.group, []).append(p)
-    for group, members in groups.items():
+    for members in groups.values():
         if members[0].algorithm != "muon":
-            yield from members
             continue
+        group = members[0].group
         buckets: dict[Hashable, list[ParamInfo]] = {}
         for p in members:
             buckets.setdefault(p.batch_key, []).append(p)
@@ -129,6 +134,9 @@ def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: li
                     oversized.append(p.index)
             if unit:
                 yield MuonUnit(group, tuple(q.index for q in unit), unit_bytes)
+    for members in groups.values():
+        if members[0].algorithm != "muon":
+            yield from members
 
 
 @dataclass

@@ -1,0 +1,189 @@
+"""Distributed Muon: which parameters need communication, and dion's collectives for them.
+
+Follows dion's pattern (microsoft/dion, ``megabatch_base.py``): each Muon unit is a generator
+that launches a collective with ``async_op=True`` and yields, so the small runtime below
+starts the next unit's work while the collective is in flight.
+
+- A matrix sharded along one of its two matrix dims (FSDP2: dim 0) is assembled by an
+  all-to-all: the unit's matrices are split into world-size batches, rank r receives every
+  rank's shard of batch r, orthogonalizes whole matrices, and a second all-to-all sends the
+  shards back. Shards are padded to ceil(global / world) along the sharded dim, so uneven
+  and empty shards (FSDP2's contiguous chunking) still give uniform all-to-alls.
+- A replicated matrix (plain tensors under DDP, or a Replicate DTensor): each rank
+  orthogonalizes its share of the unit and an all-gather shares the results.
+- A stack of matrices sharded along its batch dim needs nothing: every local matrix is whole.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # DTensor is part of torch.distributed, which some builds leave out
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DeviceMesh = DTensor = ()
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A 1-D process group as the optimizer uses it."""
+
+    group: object | None  # ProcessGroup, or None on one device
+    rank: int = 0
+    size: int = 1
+    device_mesh: object | None = None  # the DeviceMesh it came from, if any
+
+
+LOCAL = Mesh(None)
+
+
+def resolve_mesh(mesh) -> Mesh:
+    """dion's ``distributed_mesh``: a 1-D DeviceMesh, a ProcessGroup, or None."""
+    if mesh is None:
+        return LOCAL
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"distributed_mesh must be 1-D, got a {mesh.ndim}-D DeviceMesh; for HSDP pass "
+                "the sharded sub-mesh"
+            )
+        return Mesh(mesh.get_group(), mesh.get_local_rank(), mesh.size(), mesh)
+    if isinstance(mesh, dist.ProcessGroup):
+        return Mesh(mesh, dist.get_rank(mesh), dist.get_world_size(mesh))
+    raise TypeError(
+        f"distributed_mesh must be a DeviceMesh, a ProcessGroup or None, got {type(mesh).__name__}"
+    )
+
+
+def local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a Muon parameter's matrices are laid out across the mesh."""
+
+    kind: str  # "local" (whole on this rank, no communication), "replicated", "sharded"
+    comm_dim: int | None = None  # negative matrix dim the shards are cut along
+    global_size: int | None = None  # the unsharded size along comm_dim
+
+
+def placement_of(p: Tensor, mesh: Mesh, flatten: bool, where: str) -> Placement:
+    """Classify a Muon parameter; raise on layouts the collectives cannot serve."""
+    if not isinstance(p, DTensor):
+        return Placement("replicated" if mesh.group is not None else "local")
+    if mesh.device_mesh is None:
+        raise ValueError(f"{where}: DTensor parameters need a DeviceMesh as distributed_mesh")
+    shards = [
+        (i, pl) for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1
+    ]
+    if len(shards) > 1:
+        raise ValueError(f"{where}: sharded on more than one dim ({p.placements}); not supported")
+    if not shards:
+        return Placement("replicated" if mesh.size > 1 else "local")
+    mesh_dim, shard = shards[0]
+    if p.device_mesh.get_group(mesh_dim) != mesh.group:
+        raise ValueError(
+            f"{where}: DTensor is sharded over a mesh ({p.device_mesh}) other than its param "
+            f"group's ({mesh.device_mesh})"
+        )
+    dim = shard.dim % p.ndim
+    if flatten:
+        if dim != 0:
+            raise ValueError(f"{where}: with flatten=True only dim 0 may be sharded, got {dim}")
+        return Placement("sharded", -2, p.shape[0])
+    if dim >= p.ndim - 2:
+        return Placement("sharded", dim - p.ndim, p.shape[dim])
+    return Placement("local")  # batch dim sharded: every local matrix is whole
+
+
+Orthogonalize = Callable[[Tensor, Tensor | None], Tensor]
+
+
+def orthogonalize_sharded(
+    update: Tensor, placement: Placement, mesh: Mesh, orthogonalize: Orthogonalize
+) -> Generator[None, None, Tensor]:
+    """All-to-all the local shards [N, *local] into whole matrices, orthogonalize, send back."""
+    n, world, comm_dim = update.shape[0], mesh.size, placement.comm_dim
+    pad_n = -n % world
+    if pad_n:
+        update = torch.cat([update, update.new_zeros(pad_n, *update.shape[1:])])
+    per_rank = update.shape[0] // world
+    padded = -(-placement.global_size // world)
+    local_size = update.size(comm_dim)
+    if local_size > padded:
+        raise RuntimeError(
+            f"local shard of {local_size} along dim {comm_dim} exceeds ceil(global / world) = "
+            f"{padded}: not FSDP2's contiguous sharding"
+        )
+    if local_size < padded:
+        pad = [0, 0] * (-comm_dim - 1) + [0, padded - local_size]
+        update = torch.nn.functional.pad(update, pad)
+    sends = list(update.unflatten(0, (world, per_rank)).unbind(0))
+    recvs = [torch.empty_like(s) for s in sends]
+    work = dist.all_to_all(recvs, sends, group=mesh.group, async_op=True)
+    yield
+    work.wait()
+    whole = orthogonalize(torch.cat(recvs, dim=comm_dim), None)
+    sends = [s.contiguous() for s in torch.tensor_split(whole, world, dim=comm_dim)]
+    recvs = [torch.empty_like(s) for s in sends]
+    work = dist.all_to_all(recvs, sends, group=mesh.group, async_op=True)
+    yield
+    work.wait()
+    return torch.stack(recvs).narrow(comm_dim, 0, local_size).flatten(0, 1)[:n]
+
+
+def orthogonalize_replicated(
+    update: Tensor, sumsq: Tensor, mesh: Mesh, orthogonalize: Orthogonalize
+) -> Generator[None, None, Tensor]:
+    """Each rank orthogonalizes its share of the batch; an all-gather shares the results."""
+    n, world = update.shape[0], mesh.size
+    if n == 1 or world == 1:
+        return orthogonalize(update, sumsq)
+    pad_n = -n % world
+    if pad_n:
+        update = torch.cat([update, update.new_zeros(pad_n, *update.shape[1:])])
+        sumsq = torch.cat([sumsq, sumsq.new_zeros(pad_n)])
+    per_rank = update.shape[0] // world
+    mine = slice(mesh.rank * per_rank, (mesh.rank + 1) * per_rank)
+    result = orthogonalize(update[mine], sumsq[mine]).contiguous()
+    gathered = [torch.empty_like(result) for _ in range(world)]
+    work = dist.all_gather(gathered, result, group=mesh.group, async_op=True)
+    yield
+    work.wait()
+    return torch.cat(gathered)[:n]
+
+
+def run_tasks(tasks: Iterable[Generator], max_concurrent: int = 3) -> None:
+    """dion's AsyncRuntime: each round starts at most one new task and advances every running
+    one by a step. The order in which collectives are issued depends only on the sequence of
+    tasks, which is the same on every rank."""
+    tasks = iter(tasks)
+    running: deque[Generator] = deque()
+    more = True
+    while more or running:
+        started = None
+        if more and len(running) < max_concurrent:
+            started = next(tasks, None)
+            more = started is not None
+        for _ in range(len(running)):
+            task = running.popleft()
+            if _advance(task):
+                running.append(task)
+        if started is not None and _advance(started):
+            running.append(started)
+
+
+def _advance(task: Generator) -> bool:
+    try:
+        next(task)
+        return True
+    except StopIteration:
+        return False
