@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from . import ops
 from .collectives import (
     LOCAL,
+    DTensor,
     Mesh,
     local,
     orthogonalize_replicated,
@@ -178,14 +179,14 @@ class ChunkedOptimizer(Optimizer):
         return len(self.state_keys[algorithm]) * local(param).numel() * itemsize
 
     def _plan_bytes(self, gi: int, param: Tensor, hyper: Hyper) -> int:
-        """State bytes for budgeting, equal on every rank: a sharded Muon parameter counts
-        its global state over the mesh size, never its local shard."""
-        placement = self._placement(gi, param, hyper)
-        if placement.kind != "sharded":
+        """State bytes for budgeting and for the resident budget, equal on every rank: a
+        sharded (DTensor) parameter counts its global state over the mesh size, never its
+        local shard, which differs across ranks when shards are uneven."""
+        if not isinstance(param, DTensor):
             return self._state_nbytes(hyper.algorithm, param)
         itemsize = self._state_dtype(param).itemsize
         total = len(self.state_keys[hyper.algorithm]) * param.numel() * itemsize
-        return -(-total // self._mesh_of(gi).size)
+        return -(-total // param.device_mesh.size())
 
     def _placement(self, gi: int, param: Tensor, hyper: Hyper):
         if hyper.algorithm != "muon":
@@ -435,6 +436,8 @@ class ChunkedOptimizer(Optimizer):
             xs.extend(_matrices(local(p), h.flatten))
             gs.extend(_matrices(local(p.grad), h.flatten))
             ms.extend(_matrices(m, h.flatten))
+        if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
+            return
         if ms[0].numel():
             update, sumsq = ops.muon_prep(self.backend, ms, gs, mu=h.mu, nesterov=h.nesterov)
         else:  # an empty shard still takes part in every collective

@@ -105,6 +105,7 @@ class Muon(ChunkedOptimizer):
             resident_bytes=resident_bytes,
             state_dtype=state_dtype,
             backend=backend,
+            distributed_mesh=distributed_mesh,
         )
 
     def _read_hyper(self, group: dict, index: int) -> Hyper:

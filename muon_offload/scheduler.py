@@ -76,6 +76,9 @@ def plan_transfer(tensors: Sequence[Tensor]) -> Transfer:
     run_storage_tensor = None
     for t in tensors:
         addr, nbytes = _byte_view(t)
+        if nbytes == 0:  # an empty shard: nothing to move, an empty view on the device
+            views.append((0, t.shape, t.dtype))
+            continue
         storage = t.untyped_storage().data_ptr()
         contiguous = (
             run_start is not None and storage == run_storage and 0 <= addr - run_end < ALIGN_BYTES
@@ -150,8 +153,7 @@ class StreamScheduler:
         ``None`` marks a resident chunk: ``update(i, None)`` runs on its state in place.
         """
         streamed = [i for i, t in enumerate(transfers) if t is not None]
-        self.reserve(max((t.nbytes for t in transfers if t is not None), default=0),
-                     len(streamed))
+        self.reserve(max((t.nbytes for t in transfers if t is not None), default=0), len(streamed))
         slot_of = {chunk: k % len(self._staging) for k, chunk in enumerate(streamed)}
         if not self.cuda:
             for i, transfer in enumerate(transfers):

@@ -73,3 +73,15 @@ def lion_step64(x, g, m, *, lr, beta1, beta2, wd):
     u = torch.sign(beta1 * m + (1 - beta1) * g)
     m = beta2 * m + (1 - beta2) * g
     return x * (1 - lr * wd) - lr * u, m
+
+
+def orthogonalize64_batch(u, epsilon=1e-8):
+    """An orthogonalizer both optimizers accept (dion's ``newton_schulz_func`` signature):
+    Polar Express in float64 on each matrix of a batch, returned in float32. With it, two
+    implementations differ only by fp32 rounding, so they can be compared tightly."""
+    eps = float(epsilon)
+    flat = u.reshape(-1, *u.shape[-2:])
+    if flat.shape[0] == 0 or u.numel() == 0:  # dion hands over empty batches of empty shards
+        return u.float()
+    out = torch.stack([orthogonalize64(m, "polar_express", eps) for m in flat])
+    return out.reshape(u.shape).float()

@@ -47,8 +47,11 @@ def test_offloaded_equals_resident_bitwise_over_50_steps():
 def test_reserved_memory_flat_over_100_steps():
     init = _race_model(1)
     params = [torch.nn.Parameter(t.cuda()) for t in init]
-    opt = Muon([dict(params=params[:32]), dict(params=params[32:], algorithm="adamw")],
-               offload=True, chunk_bytes=2 << 20)
+    opt = Muon(
+        [dict(params=params[:32]), dict(params=params[32:], algorithm="adamw")],
+        offload=True,
+        chunk_bytes=2 << 20,
+    )
     gen = torch.Generator(device="cuda").manual_seed(3)
     reserved = []
     for step in range(100):

@@ -144,8 +144,11 @@ KERNEL_SHAPES = [(24, 40), (40, 24), (24, 40), (77,), (5,)]
 def _run_backend(backend, device="cpu", **kwargs):
     gen = torch.Generator().manual_seed(6)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in KERNEL_SHAPES]
-    groups = [dict(params=params[:3]), dict(params=params[3:4], algorithm="adamw"),
-              dict(params=params[4:], algorithm="lion")]
+    groups = [
+        dict(params=params[:3]),
+        dict(params=params[3:4], algorithm="adamw"),
+        dict(params=params[4:], algorithm="lion"),
+    ]
     opt = Muon(groups, lr=0.03, backend=backend, **kwargs)
     for s in range(2):
         g = torch.Generator().manual_seed(300 + s)
@@ -156,8 +159,10 @@ def _run_backend(backend, device="cpu", **kwargs):
 
 
 def _update_rel(a, b, init):
-    return [(((x - x0) - (y - x0)).norm() / (y - x0).norm()).item()
-            for x, y, x0 in zip(a, b, init, strict=True)]
+    return [
+        (((x - x0) - (y - x0)).norm() / (y - x0).norm()).item()
+        for x, y, x0 in zip(a, b, init, strict=True)
+    ]
 
 
 def test_kernels_through_the_interpreter_match_the_reference():
@@ -188,5 +193,4 @@ def test_kernels_match_the_reference_on_gpu():
 
 
 def test_kernels_offloaded_equal_kernels_resident_bitwise():
-    _assert_bitwise(_run_backend("triton", offload=True, chunk_bytes=4000),
-                    _run_backend("triton"))
+    _assert_bitwise(_run_backend("triton", offload=True, chunk_bytes=4000), _run_backend("triton"))

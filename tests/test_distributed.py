@@ -1,0 +1,43 @@
+"""Distributed Muon on the CPU: several processes over gloo (see dist_workers.py)."""
+
+import socket
+
+import dist_workers
+import pytest
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.distributed
+
+
+def _spawn(fn, world):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(fn, args=(world, port), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_and_replicated_step(world):
+    _spawn(dist_workers.equivalence, world)
+
+
+def test_packed_parameter_updated_once_with_tiny_chunks():
+    _spawn(dist_workers.packed_once, 2)
+
+
+def test_fsdp2_fully_shard():
+    _spawn(dist_workers.fsdp2, 2)
+
+
+def test_mismatched_inputs_fail_before_any_step():
+    _spawn(dist_workers.mismatches, 2)
+
+
+def test_two_sharded_dims_refused():
+    _spawn(dist_workers.two_sharded_dims, 4)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_against_dion(world):
+    pytest.importorskip("dion")
+    _spawn(dist_workers.against_dion, world)
