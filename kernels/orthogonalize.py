@@ -3,8 +3,10 @@
 Input: U [B, m, n] bf16 and, when the caller has it, each matrix's sum of squares
 [B] fp32 (the Muon prep kernel produces it, so the normalization needs no extra pass).
 Tall matrices (m > n) run on their transpose, so the Gram matrix X X^T is the small one.
-Each iteration is X <- a X + (b A + c A A) X with A = X X^T, as two ``baddbmm`` calls
-per product so every bf16 intermediate is rounded once.
+Each iteration is X <- a X + (b A + c A A) X with A = X X^T, every bf16 intermediate
+rounded once. The two symmetric products (A, and b A + c A A) run either on batched cuBLAS
+(``bmm`` / ``baddbmm``) or on the Triton kernel of ``gram.py`` that computes only the tiles
+on and below the diagonal; ``X <- a X + B X`` is always a cuBLAS ``baddbmm``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from .gram import sym_gram
 
 # Polar Express (Amsel et al., arXiv:2505.16932), num_iters=5, safety factor 2e-2, cushion 2:
 # the coefficients dion ships. They assume the input was divided by ``norm * 1.02 + eps``.
@@ -44,6 +48,36 @@ ORTHOGONALIZERS = {
 OrthogonalizerFn = Callable[..., Tensor]
 
 
+PRODUCTS = ("cublas", "triton", "triton_gram", "triton_poly")
+
+
+# Measured on one H200 (2026-11-29, torch 2.11 + cu130, triton 3.6; bench/orthogonalize.py,
+# do_bench medians, whole 5-iteration Polar Express, bf16), cuBLAS -> both products on Triton,
+# over two runs (three rounds; the spread between rounds is up to 9%):
+#   128 x 768x2048                9.00 to 9.85 -> 7.77 to 8.07 ms
+#   128 x 768x2048 on a .mT view  9.91 to 10.01 -> 8.84 to 9.76 ms (the experts' down proj.)
+#   16 x 768x2048                 1.20 to 1.21 -> 1.09 to 1.16 ms
+#   6 x 2048x4096                 4.88 -> 4.03 ms
+#   12 x 512x2048                 0.58 -> 1.09 ms;  48 x 128x2048  0.59 -> 0.67 ms
+# Alone, X X^T is 1.33x faster (0.453 -> 0.339 ms, 128 x 768x2048) and b A + c A A 1.72x
+# (0.292 -> 0.170 ms). The small batches lose to the host cost of the launches (the products
+# themselves take 20 to 30 us there). The outputs were bit-identical to cuBLAS's on all six.
+# So: Triton from m = 768 and at least the work of the smallest measured win, 16 x 768x2048.
+# What remains is X <- a X + B X on cuBLAS baddbmm: about 1.04 ms of the 1.55 ms an iteration
+# takes at 128 x 768x2048 (inferred from the totals above, not timed alone), ~300 TFLOP/s.
+TRITON_MIN_ROWS = 768
+TRITON_MIN_WORK = 16 * 768 * 768 * 2048  # batch * m^2 * n
+
+
+def products_for(x: Tensor) -> str:
+    """The path of the symmetric products for a CUDA batch x [B, m, n] (m <= n, the
+    orientation the iteration runs in): the faster one measured (numbers above)."""
+    batch, m, n = x.shape
+    if x.dtype == torch.bfloat16 and m >= TRITON_MIN_ROWS and batch * m * m * n >= TRITON_MIN_WORK:
+        return "triton"
+    return "cublas"
+
+
 def orthogonalize(
     update: Tensor,
     sumsq: Tensor | None = None,
@@ -52,8 +86,26 @@ def orthogonalize(
     eps: float = 1e-8,
 ) -> Tensor:
     """Return the orthogonalized batch [B, m, n] in bf16 (not necessarily contiguous)."""
+    return orthogonalize_on(update, sumsq, method=method, eps=eps, products="auto")
+
+
+def orthogonalize_on(
+    update: Tensor,
+    sumsq: Tensor | None = None,
+    *,
+    method: str | OrthogonalizerFn = "polar_express",
+    eps: float = 1e-8,
+    products: str = "auto",
+) -> Tensor:
+    """``orthogonalize`` with the symmetric products' path named: ``"cublas"`` (torch
+    ``bmm`` / ``baddbmm``), ``"triton"`` (both on ``sym_gram``; CUDA, or the CPU under the
+    Triton interpreter), ``"triton_gram"`` / ``"triton_poly"`` (only ``X X^T`` / only
+    ``b A + c A A`` on ``sym_gram``), or ``"auto"``: ``products_for(x)`` on CUDA, else
+    ``"cublas"``."""
     if update.ndim != 3:
         raise ValueError(f"expected a batch [B, m, n], got shape {tuple(update.shape)}")
+    if products != "auto" and products not in PRODUCTS:
+        raise ValueError(f"products must be 'auto' or one of {PRODUCTS}, got {products!r}")
     if callable(method):
         return method(update, epsilon=eps)
     coeffs, norm_scale = ORTHOGONALIZERS[method]
@@ -65,8 +117,18 @@ def orthogonalize(
     scale = 1.0 / (sumsq.sqrt() * norm_scale + eps)
     # One bf16 multiply (fp32 inside, one rounding): no fp32 copy of the batch.
     x = x * scale.to(torch.bfloat16)[:, None, None]
+    if products == "auto":
+        products = products_for(x) if x.is_cuda else "cublas"
+    tri_gram = products in ("triton", "triton_gram")
+    tri_poly = products in ("triton", "triton_poly")
+    m = x.size(-2)
+    gram_buf = x.new_empty(x.size(0), m, m) if tri_gram else None
+    poly_buf = x.new_empty(x.size(0), m, m) if tri_poly else None
     for a, b, c in coeffs:
-        gram = torch.bmm(x, x.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        gram = sym_gram(x, out=gram_buf) if tri_gram else torch.bmm(x, x.mT)
+        if tri_poly:
+            poly = sym_gram(gram, alpha=c, y=gram, beta=b, out=poly_buf)
+        else:
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
     return x.mT if tall else x

@@ -1,0 +1,164 @@
+"""Orthogonalization benchmark: the symmetric products on batched cuBLAS against the Triton
+kernel that computes only the tiles on and below the diagonal (``kernels/gram.py``).
+
+    python bench/orthogonalize.py --out ortho.json
+
+For each batch of bf16 matrices (the bench workload's shape classes, tall ones in the
+orientation the iteration runs in): ``A = X X^T`` (``torch.bmm`` vs ``sym_gram``),
+``b A + c A A`` (``torch.baddbmm`` vs ``sym_gram`` with y), and a whole 5-iteration Polar
+Express on each path of ``orthogonalize_on`` (cuBLAS; both products on Triton; only X X^T;
+only the polynomial; ``auto``, what ``orthogonalize`` runs). Times are medians of
+``triton.testing.do_bench`` (CUDA events, after tuning and warm-up); TFLOP/s count the full
+products (2 m^2 n, 2 m^3; 5 (4 m^2 n + 2 m^3) per Polar Express) for every path, so they
+compare directly as speed. Accuracy: relative RMS difference between the paths, and of each
+against a float64 Polar Express.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+
+import torch
+import triton
+import triton.testing
+from muon_offload.kernels import _launch
+from muon_offload.kernels.gram import sym_gram
+from muon_offload.kernels.orthogonalize import (
+    POLAR_EXPRESS_COEFFS,
+    POLAR_EXPRESS_NORM_SCALE,
+    PRODUCTS,
+    orthogonalize_on,
+    products_for,
+)
+
+# (label, batch, rows, cols, transposed): the stored matrices are rows x cols; transposed
+# ones are the tall experts' down projections, run on their .mT view as orthogonalize does.
+SHAPES = (
+    ("experts gate/up, 128", 128, 768, 2048, False),
+    ("experts gate/up, 16", 16, 768, 2048, False),
+    ("experts down (2048x768 on .mT), 128", 128, 768, 2048, True),
+    ("attention q/o (2048x4096)", 6, 2048, 4096, False),
+    ("attention k/v (512x2048)", 12, 512, 2048, False),
+    ("routers (128x2048)", 48, 128, 2048, False),
+)
+
+
+def ms_of(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def polar64(u: torch.Tensor) -> torch.Tensor:
+    x = u.double()
+    x = x / (torch.linalg.matrix_norm(x)[:, None, None] * POLAR_EXPRESS_NORM_SCALE + 1e-8)
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def batch_of(batch, rows, cols, transposed):
+    if transposed:  # stored [cols, rows] contiguous, used as its [rows, cols] transpose
+        return torch.randn(batch, cols, rows, device="cuda").to(torch.bfloat16).mT
+    return torch.randn(batch, rows, cols, device="cuda").to(torch.bfloat16)
+
+
+def bench_shape(label, batch, m, n, transposed, add, rows_out, rounds) -> None:
+    u = batch_of(batch, m, n, transposed)
+    x = (u.float() / u.float().norm(dim=(1, 2), keepdim=True)).to(torch.bfloat16)
+    x = x.mT.contiguous().mT if transposed else x
+    gram = torch.bmm(x, x.mT)
+    out = torch.empty_like(gram)
+    a, b, c = POLAR_EXPRESS_COEFFS[2]
+    flop_gram, flop_poly = 2 * batch * m * m * n, 2 * batch * m**3
+    flop_pe = 5 * batch * (4 * m * m * n + 2 * m**3)
+
+    sym_gram(x, out=out)  # tunes, compiles
+    cfg_gram = _launch.TUNER.last.get("sym_gram", {}).get("config")
+    add(label, "X X^T", "cublas", ms_of(lambda: torch.bmm(x, x.mT, out=out)), flop_gram)
+    add(
+        label,
+        "X X^T",
+        "triton",
+        ms_of(lambda: sym_gram(x, out=out)),
+        flop_gram,
+        config=cfg_gram,
+    )
+    sym_gram(gram, alpha=c, y=gram, beta=b, out=out)
+    cfg_poly = _launch.TUNER.last.get("sym_gram", {}).get("config")
+    add(
+        label,
+        "bA + cAA",
+        "cublas",
+        ms_of(lambda: torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=out)),
+        flop_poly,
+    )
+    add(
+        label,
+        "bA + cAA",
+        "triton",
+        ms_of(lambda: sym_gram(gram, alpha=c, y=gram, beta=b, out=out)),
+        flop_poly,
+        config=cfg_poly,
+    )
+    res = {path: orthogonalize_on(u, products=path) for path in (*PRODUCTS, "auto")}
+    for r in range(rounds):  # rounds interleave the paths: clock drift shows as spread
+        for path in (*PRODUCTS, "auto"):
+            ms = ms_of(lambda p=path: orthogonalize_on(u, products=p))
+            add(label, "polar express", path, ms, flop_pe, round=r)
+    k = min(batch, 4)
+    ref = polar64(u[:k])
+    acc = {
+        "triton_vs_cublas": rel(res["triton"], res["cublas"]),
+        "triton_gram_vs_cublas": rel(res["triton_gram"], res["cublas"]),
+        "triton_vs_f64": rel(res["triton"][:k], ref),
+        "cublas_vs_f64": rel(res["cublas"][:k], ref),
+    }
+    rows_out.append({"shape": label, "op": "accuracy (rel. RMS)", **acc})
+    print(f"{label:<38} accuracy: " + ", ".join(f"{k} {v:.4f}" for k, v in acc.items()))
+    print(f"{'':<38} auto -> {products_for(x)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="orthogonalize.json")
+    parser.add_argument("--only", default="", help="run the shapes whose label contains this")
+    parser.add_argument("--rounds", type=int, default=1, help="Polar Express timing rounds")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows_out = []
+
+    def add(shape, op, path, ms, flop, **extra):
+        row = {"shape": shape, "op": op, "path": path, "ms": ms, "TFLOP/s": flop / ms / 1e9}
+        row.update(extra)
+        rows_out.append(row)
+        print(f"{shape:<38} {op:<14} {path:<11} {ms:>9.3f} {row['TFLOP/s']:>9.0f}", flush=True)
+
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms",
+    }
+    print(json.dumps(meta))
+    print(f"{'shape':<38} {'op':<14} {'path':<11} {'ms':>9} {'TFLOP/s':>9}")
+    for label, batch, m, n, transposed in SHAPES:
+        if args.only not in label:
+            continue
+        bench_shape(label, batch, m, n, transposed, add, rows_out, args.rounds)
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:  # after every shape: a run cut short keeps its rows
+            json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Symmetric batched products for the orthogonalizer: ``out = alpha X X^T (+ beta Y)``.
+
+X is [B, M, K] with any strides, Y (optional) and ``out`` are [B, M, M]. The result is
+symmetric, so only the tiles on and below the diagonal are computed (T (T + 1) / 2 of T^2
+for T tiles a side) and each off-diagonal tile is also stored mirrored. Polar Express uses
+it twice an iteration: ``A = X X^T`` (K = n) and ``b A + c A A`` (X = A, K = M, Y = A:
+A A = A A^T because A is symmetric). Accumulation in fp32, one rounding to out's dtype.
+
+``sym_gram`` is the Triton launcher, ``sym_gram_reference`` the torch version it matches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._launch import TUNER, Config, bench_ms, bucket, dtype_name
+
+# ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
+# Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles
+# would hold 64 Ki fp32 accumulators (spills) and leave only 6 of 9 tiles for M = 768.
+GRAM_CONFIGS = (
+    Config(block=128, chunk=64, num_warps=8, num_stages=4),
+    Config(block=128, chunk=64, num_warps=4, num_stages=4),
+    Config(block=128, chunk=128, num_warps=8, num_stages=3),
+    Config(block=64, chunk=64, num_warps=4, num_stages=4),
+    Config(block=64, chunk=128, num_warps=4, num_stages=3),
+    Config(block=128, chunk=64, num_warps=8, num_stages=3),
+)
+GRAM_INTERPRETER_CONFIG = Config(block=32, chunk=32, num_warps=4, num_stages=1)
+
+# Grid axis 1 (the batch) holds at most this many programs: larger batches launch in slices.
+MAX_GRID_Y = 65535
+
+
+@triton.jit
+def _sym_gram_kernel(
+    x,  # [B, M, K]
+    y,  # [B, M, M], read only when HAS_Y
+    out,  # [B, M, M]
+    b_start,  # index of the matrix that grid row 0 computes
+    M,
+    K,
+    stride_xb,
+    stride_xm,
+    stride_xk,
+    stride_yb,
+    stride_ym,
+    stride_yn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    HAS_Y: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64) + b_start
+    # Triangular index -> tile (i, j) with j <= i: i = floor((sqrt(8 t + 1) - 1) / 2),
+    # then one step either way in case the float square root rounded across an integer.
+    i = ((tl.sqrt(8.0 * i_t + 1.0) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where(i * (i + 1) // 2 > i_t, i - 1, i)
+    i = tl.where((i + 1) * (i + 2) // 2 <= i_t, i + 1, i)
+    j = i_t - i * (i + 1) // 2
+
+    r_i = i * BLOCK + tl.arange(0, BLOCK)
+    r_j = j * BLOCK + tl.arange(0, BLOCK)
+    o_k = tl.arange(0, BLOCK_K)
+    x += i_b * stride_xb
+    # Rows past M wrap onto valid rows (no load masks); their results are never stored.
+    p_a = x + (r_i % M)[:, None] * stride_xm + o_k[None, :] * stride_xk
+    p_b = x + (r_j % M)[:, None] * stride_xm + o_k[None, :] * stride_xk
+
+    b_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            b_a = tl.load(p_a)
+            b_b = tl.load(p_b)
+        else:
+            k_mask = o_k[None, :] < K - k * BLOCK_K
+            b_a = tl.load(p_a, mask=k_mask, other=0.0)
+            b_b = tl.load(p_b, mask=k_mask, other=0.0)
+        b_acc = tl.dot(b_a, tl.trans(b_b), b_acc, input_precision=PRECISION)
+        p_a += BLOCK_K * stride_xk
+        p_b += BLOCK_K * stride_xk
+
+    mask = (r_i[:, None] < M) & (r_j[None, :] < M)
+    b_acc *= alpha
+    if HAS_Y:
+        p_y = y + i_b * stride_yb + r_i[:, None] * stride_ym + r_j[None, :] * stride_yn
+        b_acc += beta * tl.load(p_y, mask=mask, other=0.0).to(tl.float32)
+    b_c = b_acc.to(out.dtype.element_ty)
+    out += i_b * stride_ob
+    tl.store(out + r_i[:, None] * stride_om + r_j[None, :] * stride_on, b_c, mask=mask)
+    if i != j:
+        p_t = out + r_j[:, None] * stride_om + r_i[None, :] * stride_on
+        mask_t = (r_j[:, None] < M) & (r_i[None, :] < M)
+        tl.store(p_t, tl.trans(b_c), mask=mask_t)
+
+
+def _launch(x: Tensor, y: Tensor | None, out: Tensor, alpha, beta, config: Config) -> None:
+    batch, m, k = x.shape
+    tiles = triton.cdiv(m, config.block)
+    y_arg = y if y is not None else out
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
+    for start in range(0, batch, MAX_GRID_Y):
+        _sym_gram_kernel[(tiles * (tiles + 1) // 2, min(batch - start, MAX_GRID_Y))](
+            x,
+            y_arg,
+            out,
+            start,
+            m,
+            k,
+            *x.stride(),
+            *y_arg.stride(),
+            *out.stride(),
+            alpha,
+            beta,
+            HAS_Y=y is not None,
+            EVEN_K=k % config.chunk == 0,
+            PRECISION=precision,
+            BLOCK=config.block,
+            BLOCK_K=config.chunk,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+
+def sym_gram(
+    x: Tensor,
+    *,
+    alpha: float = 1.0,
+    y: Tensor | None = None,
+    beta: float = 0.0,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``out = alpha x x^T + beta y`` for a batch x [B, M, K] (any strides); ``y`` [B, M, M]
+    must be symmetric (only its lower tiles are read). ``out`` [B, M, M], any strides, must
+    not overlap x or y. Returns out."""
+    if x.ndim != 3:
+        raise ValueError(f"expected x [B, M, K], got shape {tuple(x.shape)}")
+    batch, m, k = x.shape
+    if out is None:
+        out = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
+    for name, t in (("out", out), ("y", y)):
+        if t is not None and (t.shape != (batch, m, m) or t.device != x.device):
+            raise ValueError(f"{name} must be [{batch}, {m}, {m}] on {x.device}")
+    if batch * m == 0:
+        return out
+    if k == 0:
+        return out.copy_(y * beta) if y is not None else out.zero_()
+    key = (
+        dtype_name(x.dtype),
+        dtype_name(out.dtype),
+        m,
+        bucket(k),
+        bucket(batch),
+        x.stride(-1) == 1,  # rows contiguous, or a transposed view
+        y is not None,
+    )
+
+    def bench(config: Config) -> float:
+        # Reads x and y, writes only a scratch output: safe to time on the caller's inputs.
+        scratch = torch.empty_like(out)
+        return bench_ms(lambda: _launch(x, y, scratch, alpha, beta, config))
+
+    config = TUNER.choose("sym_gram", key, GRAM_CONFIGS, GRAM_INTERPRETER_CONFIG, x.device, bench)
+    _launch(x, y, out, float(alpha), float(beta), config)
+    return out
+
+
+def sym_gram_reference(
+    x: Tensor, *, alpha: float = 1.0, y: Tensor | None = None, beta: float = 0.0
+) -> Tensor:
+    """The same in fp32 (one rounding to x's dtype at the end)."""
+    acc = alpha * (x.float() @ x.float().mT)
+    if y is not None:
+        acc = acc + beta * y.float()
+    return acc.to(x.dtype)
