@@ -236,3 +236,21 @@ def against_dion(rank, world, port):
         rel = ((fa - x0) - (fb - x0)).norm() / (fb - x0).norm()
         assert rel < 1e-5, (tuple(fa.shape), rel.item())
     dist.destroy_process_group()
+
+
+def world_of_one(rank, world, port):
+    """A one-rank mesh (DTensor) and a one-rank ProcessGroup take the distributed code paths
+    and must give exactly the plain step."""
+    mesh = init(rank, world, port)
+    plain = run(mesh, False, offload=True, chunk_bytes=3000)
+    sharded = run(mesh, True, offload=True, chunk_bytes=3000)
+    for a, b in zip(sharded[0], plain[0], strict=True):
+        assert torch.equal(_local(a), b)
+    params, groups = build(mesh, False)
+    opt = Muon(groups, distributed_mesh=dist.group.WORLD, lr=0.02, offload=True, chunk_bytes=3000)
+    for s in range(3):
+        set_grads(params, s, mesh)
+        opt.step()
+    for a, b in zip(params, plain[0], strict=True):
+        assert torch.equal(a, b)
+    dist.destroy_process_group()

@@ -41,3 +41,7 @@ def test_two_sharded_dims_refused():
 def test_against_dion(world):
     pytest.importorskip("dion")
     _spawn(dist_workers.against_dion, world)
+
+
+def test_world_of_one_equals_plain_step():
+    _spawn(dist_workers.world_of_one, 1)
