@@ -1,4 +1,4 @@
-"""The ``muon-offload`` command: ``demo`` (default), ``tune``."""
+"""The ``muon-offload`` command: ``demo`` (default), ``bench``, ``tune``."""
 
 from __future__ import annotations
 
@@ -7,16 +7,25 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "muon_offload.demo", "tune": "muon_offload.tune"}
+    commands = {
+        "demo": "muon_offload.demo",
+        "bench": "muon_offload.bench",
+        "tune": "muon_offload.tune",
+    }
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: muon-offload [demo|tune] [options]\n\n"
-              "  demo  train a small GPT with offloaded and resident Muon side by side (default)\n"
-              "  tune  tune the Triton kernels for a workload's shapes on this GPU")
+        print(
+            "usage: muon-offload [demo|bench|tune] [options]\n\n"
+            "  demo   train a small GPT with offloaded and resident Muon side by side (default)\n"
+            "  bench  time the optimizer step on a named workload, every mode side by side\n"
+            "  tune   tune the Triton kernels for a workload's shapes on this GPU"
+        )
         return 0
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "demo"
     if command not in commands:
-        print(f"muon-offload: unknown command {command!r}; expected one of {sorted(commands)}",
-              file=sys.stderr)
+        print(
+            f"muon-offload: unknown command {command!r}; expected one of {sorted(commands)}",
+            file=sys.stderr,
+        )
         return 2
     module = __import__(commands[command], fromlist=["main"])
     return module.main(argv)

@@ -71,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="muon-offload demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--chunk-bytes", type=int, default=256 << 10,
-                    help="small chunks, so even this model streams in many pieces")
+    ap.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=256 << 10,
+        help="small chunks, so even this model streams in many pieces",
+    )
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
@@ -88,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         Muon(param_groups(models[0]), lr=0.02),
         Muon(param_groups(models[1]), lr=0.02, offload=True, chunk_bytes=args.chunk_bytes),
     ]
-    print(f"device {device}; {sum(p.numel() for p in models[0].parameters()):,} parameters; "
-          f"offloaded chunks of {args.chunk_bytes:,} bytes")
+    print(
+        f"device {device}; {sum(p.numel() for p in models[0].parameters()):,} parameters; "
+        f"offloaded chunks of {args.chunk_bytes:,} bytes"
+    )
     print(f"{'step':>5} {'loss resident':>14} {'loss offloaded':>15} {'step ms (offl.)':>16}")
     data = markov_batches(vocab, seq, batch, seed=1)
     loss_fn = nn.CrossEntropyLoss()
@@ -111,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(loss.item())
         if step == 1 or step % max(1, args.steps // 10) == 0 or step == args.steps:
             print(f"{step:>5} {losses[0]:>14.4f} {losses[1]:>15.4f} {elapsed * 1e3:>16.2f}")
-    state_bytes = sum(t.numel() * t.element_size() for s in optimizers[1].state.values()
-                      for t in s.values())
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in optimizers[1].state.values() for t in s.values()
+    )
     where = "pinned host" if device.type == "cuda" else "host"
     print(f"offloaded optimizer state: {state_bytes / 2**20:.2f} MiB in {where} memory")
     return 0

@@ -193,11 +193,13 @@ class StreamScheduler:
             self._updated[slot].record(compute)
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(self._updated[slot])
+                marks = self._mark(i, "store", self.d2h_stream)
                 buf = self._staging[slot]
                 for run in transfer.runs:
                     run.host.copy_(
                         buf[run.offset : run.offset + run.host.numel()], non_blocking=True
                     )
+                self._end_mark(marks, self.d2h_stream)
                 self._stored[slot].record(self.d2h_stream)
                 self._stored_once[slot] = True
         # Whatever follows on the compute stream (the next step, a state_dict after a sync)

@@ -1,8 +1,9 @@
 """Named optimizer workloads: lists of parameter shapes and the algorithm that updates each.
 
 ``qwen3-30b-a3b-ep8-rank`` is one rank's optimizer work when Qwen3-30B-A3B trains on 8 GPUs
-with expert parallelism 8 (the bench workload of ``shared/ANCHORS.md``); ``tiny`` is a few
-small matrices and vectors for CPU runs.
+with expert parallelism 8 (the bench workload of ``shared/ANCHORS.md``);
+``llama3-8b-fsdp8-rank`` is one rank's eighth of a dense Llama-3-8B-like model on 8 GPUs;
+``tiny`` is a few small matrices and vectors for CPU runs.
 """
 
 from __future__ import annotations
@@ -58,6 +59,42 @@ def qwen3_30b_a3b_ep8_rank(layers: int = QWEN3_LAYERS) -> list[ParamSpec]:
     return specs
 
 
+LLAMA3_LAYERS = 32
+LLAMA3_RANKS = 8
+LLAMA3_VOCAB = 128256
+
+
+def llama3_8b_fsdp8_rank(layers: int = LLAMA3_LAYERS) -> list[ParamSpec]:
+    """One rank's share of a dense Llama-3-8B-like model's optimizer work on 8 GPUs: a slice, as
+    ``qwen3_30b_a3b_ep8_rank`` is. Muon orthogonalizes whole matrices, one per rank from each
+    batch of same-shape matrices (as dion's sharded Muon does), so this rank's matrices are
+    those of every 8th layer (0, 8, 16, 24), with those layers' norms; embedding and lm_head
+    are 1/8 row shards. 872,415,232 Muon and 131,371,008 AdamW parameters at 32 layers
+    (4.23 GiB of fp32 state); ``layers`` keeps the first N layers."""
+    if not 0 <= layers <= LLAMA3_LAYERS:
+        raise ValueError(f"layers must be in [0, {LLAMA3_LAYERS}], got {layers}")
+    hidden, kv, ffn = 4096, 1024, 14336
+    specs: list[ParamSpec] = []
+    for i in range(0, layers, LLAMA3_RANKS):
+        pre = f"layers.{i}"
+        for name, shape in (
+            ("attn.q_proj", (hidden, hidden)),
+            ("attn.k_proj", (kv, hidden)),
+            ("attn.v_proj", (kv, hidden)),
+            ("attn.o_proj", (hidden, hidden)),
+            ("mlp.gate_proj", (ffn, hidden)),
+            ("mlp.up_proj", (ffn, hidden)),
+            ("mlp.down_proj", (hidden, ffn)),
+        ):
+            specs.append(ParamSpec(f"{pre}.{name}", shape, "muon"))
+        specs.append(ParamSpec(f"{pre}.input_norm", (hidden,), "adamw"))
+        specs.append(ParamSpec(f"{pre}.post_attention_norm", (hidden,), "adamw"))
+    specs.append(ParamSpec("norm", (hidden,), "adamw"))
+    specs.append(ParamSpec("embed_tokens", (LLAMA3_VOCAB // LLAMA3_RANKS, hidden), "adamw"))
+    specs.append(ParamSpec("lm_head", (LLAMA3_VOCAB // LLAMA3_RANKS, hidden), "adamw"))
+    return specs
+
+
 def tiny(layers: int = 2) -> list[ParamSpec]:
     """A few small matrices (wide, tall, odd) and vectors: runs on the CPU in seconds."""
     specs: list[ParamSpec] = []
@@ -73,7 +110,22 @@ def tiny(layers: int = 2) -> list[ParamSpec]:
     return specs
 
 
-WORKLOADS = {"qwen3-30b-a3b-ep8-rank": qwen3_30b_a3b_ep8_rank, "tiny": tiny}
+WORKLOADS = {
+    "qwen3-30b-a3b-ep8-rank": qwen3_30b_a3b_ep8_rank,
+    "llama3-8b-fsdp8-rank": llama3_8b_fsdp8_rank,
+    "tiny": tiny,
+}
+# Layers each workload has by default, and the most it can have (None: no limit).
+DEFAULT_LAYERS = {
+    "qwen3-30b-a3b-ep8-rank": QWEN3_LAYERS,
+    "llama3-8b-fsdp8-rank": LLAMA3_LAYERS,
+    "tiny": 2,
+}
+MAX_LAYERS = {
+    "qwen3-30b-a3b-ep8-rank": QWEN3_LAYERS,
+    "llama3-8b-fsdp8-rank": LLAMA3_LAYERS,
+    "tiny": None,
+}
 
 
 def workload(name: str, layers: int | None = None) -> list[ParamSpec]:
