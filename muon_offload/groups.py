@@ -139,13 +139,17 @@ def _split_sizes(group: dict, group_index: int) -> tuple[int, ...] | None:
 
 
 def check_grad(param: Tensor, group_index: int) -> None:
-    """Raise if ``param.grad`` cannot be used; None grads are the caller's to skip."""
+    """Raise if ``param.grad`` cannot be used; None grads are the caller's to skip.
+    Dtype and layout are read on the local tensors: on a DTensor each such method call would
+    go through DTensor's dispatch, thousands of times a step."""
     grad = param.grad
-    if grad.is_sparse or grad.layout != torch.strided:
+    local_param = getattr(param, "_local_tensor", param)
+    local_grad = getattr(grad, "_local_tensor", grad)
+    if grad.is_sparse or local_grad.layout != torch.strided:
         raise TypeError(f"{_where(group_index, param)}: sparse gradients are not supported")
-    if grad.is_complex() or param.is_complex():
+    if local_grad.is_complex() or local_param.is_complex():
         raise TypeError(f"{_where(group_index, param)}: complex tensors are not supported")
-    if not grad.is_floating_point() or not param.is_floating_point():
+    if not local_grad.is_floating_point() or not local_param.is_floating_point():
         raise TypeError(
             f"{_where(group_index, param)}: parameter and gradient must be floating point, "
             f"got {param.dtype} and {grad.dtype}"
@@ -155,10 +159,10 @@ def check_grad(param: Tensor, group_index: int) -> None:
             f"{_where(group_index, param)}: gradient shape {tuple(grad.shape)} differs from "
             "the parameter's"
         )
-    if grad.device != param.device:
+    if local_grad.device != local_param.device:
         raise ValueError(
-            f"{_where(group_index, param)}: gradient is on {grad.device}, parameter on "
-            f"{param.device}"
+            f"{_where(group_index, param)}: gradient is on {local_grad.device}, parameter on "
+            f"{local_param.device}"
         )
 
 
