@@ -194,3 +194,33 @@ def test_kernels_match_the_reference_on_gpu():
 
 def test_kernels_offloaded_equal_kernels_resident_bitwise():
     _assert_bitwise(_run_backend("triton", offload=True, chunk_bytes=4000), _run_backend("triton"))
+
+
+def test_failed_pinned_allocation_names_the_bytes(monkeypatch):
+    from muon_offload.host_state import HostSlabs
+
+    real_empty = torch.empty
+
+    def refuse_pinned(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", refuse_pinned)
+    slabs = HostSlabs(pin=True)
+    with pytest.raises(MemoryError, match=r"could not allocate 1048576 bytes .*pinned host"):
+        slabs.allocate([(torch.Size((512, 512)), torch.float32)])
+    assert slabs.slabs == []
+
+
+def test_oversized_matrix_is_logged_once(caplog):
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    q = torch.nn.Parameter(torch.randn(8, 8))
+    opt = Muon([p, q], offload=True, chunk_bytes=1024)
+    with caplog.at_level("WARNING", logger="muon_offload.engine"):
+        for step in range(3):
+            p.grad = torch.randn_like(p)
+            q.grad = None if step == 1 else torch.randn_like(q)  # a new plan on each change
+            opt.step()
+    notes = [r for r in caplog.records if "more state than chunk_bytes" in r.getMessage()]
+    assert len(notes) == 1 and "(64, 64)" in notes[0].getMessage()
