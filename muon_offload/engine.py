@@ -48,6 +48,29 @@ LOCAL_PLACEMENT = placement_of(torch.empty(0, 0), LOCAL, False, "")
 DEFAULT_CHUNK_BYTES = 128 << 20
 
 
+class StepInterrupted(RuntimeError):
+    """``step()`` stopped part-way. ``updated`` lists the parameters whose update (weights
+    and state) was applied, ``not_updated`` those left exactly as before the step,
+    ``partial`` element-wise parameters split across chunks and updated in part (each element
+    consistently), ``torn`` resident parameters whose momentum may have advanced without
+    their weight update."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        updated: list[Tensor],
+        not_updated: list[Tensor],
+        partial: list[Tensor],
+        torn: list[Tensor],
+    ):
+        super().__init__(message)
+        self.updated = updated
+        self.not_updated = not_updated
+        self.partial = partial
+        self.torn = torn
+
+
 class ChunkedOptimizer(Optimizer):
     """Base class: subclasses say how a group reads (``_read_hyper``) and name the state."""
 
@@ -413,18 +436,111 @@ class ChunkedOptimizer(Optimizer):
             self._scheduler = StreamScheduler(device)
         steps = [g["step"] for g in self.param_groups]
 
+        finished: list[list[int]] = [[] for _ in plan.chunks]  # unit indices done, per chunk
+
         def update(i: int, views: list[Tensor] | None) -> None:
             chunk = plan.chunks[i]
-            state = iter(views if views is not None else self._chunk_state(chunk, work))
+            tensors = views if views is not None else self._chunk_state(chunk, work)
+            state = iter(tensors)
+            done = finished[i]
             # Muon units run as dion-style tasks, so one unit's collective is in flight while
             # the next unit computes; they are planned first, so they consume state first.
             muon = [u for u in chunk.units if isinstance(u, MuonUnit)]
-            run_tasks(self._muon_task(u, work, hypers[u.group], state) for u in muon)
-            for unit in chunk.units[len(muon) :]:
-                self._update_elementwise(unit, work, hypers[unit.group], steps[unit.group], state)
 
-        self._scheduler.run(transfers, update)
+            def tracked(k: int, unit: MuonUnit):
+                yield from self._muon_task(unit, work, hypers[unit.group], state)
+                done.append(k)
+
+            try:
+                run_tasks(tracked(k, u) for k, u in enumerate(muon))
+                for k in range(len(muon), len(chunk.units)):
+                    unit = chunk.units[k]
+                    self._update_elementwise(
+                        unit, work, hypers[unit.group], steps[unit.group], state
+                    )
+                    done.append(k)
+            except BaseException:
+                if views is not None:
+                    # The chunk will not be stored: keep what its finished units computed,
+                    # and the host's (untouched) state for the rest.
+                    host = self._chunk_state(chunk, work)
+                    spans = self._unit_spans(chunk)
+                    for k in done:
+                        for j in range(*spans[k]):
+                            host[j].copy_(views[j])
+                raise
+
+        try:
+            self._scheduler.run(transfers, update)
+        except Exception as err:
+            raise self._interrupted(plan, work, finished, err) from err
         return loss
+
+    def _unit_spans(self, chunk) -> list[tuple[int, int]]:
+        """Each unit's range in the chunk's state list (``_chunk_state`` order)."""
+        spans, start = [], 0
+        for unit in chunk.units:
+            if isinstance(unit, MuonUnit):
+                count = len(unit.params)
+            else:
+                count = len(unit.segments) * len(self.state_keys[unit.algorithm])
+            spans.append((start, start + count))
+            start += count
+        return spans
+
+    def _interrupted(self, plan, work, finished, err) -> StepInterrupted:
+        """Say which parameters an interrupted step updated, and roll the step counter back
+        for groups that saw no update at all."""
+        updated, pending, torn = set(), set(), set()
+        for chunk, done in zip(plan.chunks, finished, strict=True):
+            for k, unit in enumerate(chunk.units):
+                (updated if k in done else pending).update(_unit_params(unit))
+        failed = next(
+            (i for i, c in enumerate(plan.chunks) if len(finished[i]) < len(c.units)), None
+        )
+        if failed is not None and plan.chunks[failed].resident:
+            # Resident state is updated in place, with no copy to fall back to: a Muon unit
+            # stopped between its momentum update and its weight update keeps the advanced
+            # momentum. Streamed units always fall back to the host copy.
+            chunk = plan.chunks[failed]
+            muon = [k for k, u in enumerate(chunk.units) if isinstance(u, MuonUnit)]
+            stopped = [k for k in muon if k not in finished[failed]]
+            if stopped:
+                torn.update(_unit_params(chunk.units[stopped[0]]))
+        partial = updated & pending  # element-wise parameters split across chunks
+        updated -= partial
+        pending -= partial
+        stepped_groups = {work[i][0] for i in updated | partial}
+        for gi, group in enumerate(self.param_groups):
+            if gi not in stepped_groups:
+                group["step"] -= 1
+
+        def shapes(ids):
+            return sorted({tuple(work[i][1].shape) for i in ids})
+
+        message = (
+            f"step() was interrupted ({type(err).__name__}: {err}). {len(updated)} parameters "
+            f"were updated (weights and state), {len(pending)} were not (weights and state as "
+            f"before the step; shapes {shapes(pending)[:6]})."
+        )
+        if partial:
+            message += (
+                f" {len(partial)} element-wise parameters split across chunks (shapes "
+                f"{shapes(partial)[:6]}) were updated in part: each element's weight and state "
+                "are together either updated or as before."
+            )
+        if torn:
+            message += (
+                f" {len(torn)} resident parameters (shapes {shapes(torn)[:6]}) may have their "
+                "momentum advanced without the weight update."
+            )
+        return StepInterrupted(
+            message + " The next step() updates every parameter that has a gradient.",
+            updated=[work[i][1] for i in sorted(updated)],
+            not_updated=[work[i][1] for i in sorted(pending)],
+            partial=[work[i][1] for i in sorted(partial)],
+            torn=[work[i][1] for i in sorted(torn)],
+        )
 
     def _muon_task(self, unit: MuonUnit, work, h: Hyper, state):
         """One Muon unit: prep, orthogonalize (with collectives when the mesh needs them),

@@ -173,6 +173,13 @@ class StreamScheduler:
         # gradients, the previous step's updates) is done with the staging buffers.
         self.h2d_stream.wait_stream(compute)
         self.d2h_stream.wait_stream(compute)
+        try:
+            self._run_streams(transfers, update, streamed, slot_of, compute)
+        finally:
+            # Also after an error: what follows on the compute stream sees every stored chunk.
+            compute.wait_stream(self.d2h_stream)
+
+    def _run_streams(self, transfers, update, streamed, slot_of, compute) -> None:
         next_load = 0
         if streamed:
             self._load(streamed[0], slot_of[streamed[0]], transfers)
@@ -202,9 +209,6 @@ class StreamScheduler:
                 self._end_mark(marks, self.d2h_stream)
                 self._stored[slot].record(self.d2h_stream)
                 self._stored_once[slot] = True
-        # Whatever follows on the compute stream (the next step, a state_dict after a sync)
-        # sees the stored state.
-        compute.wait_stream(self.d2h_stream)
 
     def _load(self, chunk: int, slot: int, transfers: Sequence[Transfer | None]) -> None:
         with torch.cuda.stream(self.h2d_stream):

@@ -1,0 +1,119 @@
+"""An exception inside the pipeline: every parameter ends either fully updated or exactly as
+before the step, the error says which, and the next step() works."""
+
+import pytest
+import torch
+
+from muon_offload import Muon, StepInterrupted
+from muon_offload.engine import ChunkedOptimizer
+
+SHAPES = [(24, 40), (24, 40), (40, 24), (3, 8, 12), (16, 16), (77,), (300,), (5,)]
+
+
+def _make(offload):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    groups = [
+        dict(params=params[:5]),
+        dict(params=params[5:7], algorithm="adamw"),
+        dict(params=params[7:], algorithm="lion"),
+    ]
+    kwargs = dict(offload=True, chunk_bytes=4000) if offload else dict(chunk_bytes=4000)
+    return params, Muon(groups, lr=0.05, **kwargs)
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(10 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _snapshot(params, opt):
+    return [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
+
+
+def _inject(monkeypatch, method, fail_at):
+    original = getattr(ChunkedOptimizer, method)
+    calls = {"n": 0}
+
+    if method == "_muon_task":
+
+        def failing(self, *args):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise RuntimeError("injected failure")
+            yield from original(self, *args)
+    else:
+
+        def failing(self, *args):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise RuntimeError("injected failure")
+            return original(self, *args)
+
+    monkeypatch.setattr(ChunkedOptimizer, method, failing)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+@pytest.mark.parametrize(
+    "method,fail_at",
+    [("_muon_task", 1), ("_muon_task", 3), ("_update_elementwise", 1), ("_update_elementwise", 2)],
+)
+def test_interrupted_step_leaves_each_parameter_before_or_after(
+    monkeypatch, offload, method, fail_at
+):
+    # The step every parameter would get without the failure.
+    ref_params, ref_opt = _make(offload)
+    _grads(ref_params, 0)
+    ref_opt.step()
+    _grads(ref_params, 1)
+    ref_opt.step()
+    after = _snapshot(ref_params, ref_opt)
+
+    params, opt = _make(offload)
+    _grads(params, 0)
+    opt.step()
+    before = _snapshot(params, opt)
+    steps_before = [g["step"] for g in opt.param_groups]
+    _grads(params, 1)
+    with monkeypatch.context() as m:
+        _inject(m, method, fail_at)
+        with pytest.raises(StepInterrupted, match="injected failure") as info:
+            opt.step()
+    err = info.value
+    now = _snapshot(params, opt)
+    updated = {id(p) for p in err.updated}
+    not_updated = {id(p) for p in err.not_updated}
+    partial = {id(p) for p in err.partial}
+    assert updated | not_updated | partial == {id(p) for p in params}
+    # Streamed units always fall back to the host copy. A resident Muon unit that stopped is
+    # reported as possibly torn (its momentum is updated in place); here the failure came
+    # before it touched anything, so it must still read exactly as before.
+    torn = {id(p) for p in err.torn}
+    assert torn <= not_updated
+    if offload:
+        assert not torn
+    for p, (x, state), (x0, s0), (x1, s1) in zip(params, now, before, after, strict=True):
+        if id(p) in partial:
+            # Element by element, weight and state together: all updated or all as before.
+            done = x == x1
+            assert done.any() and not done.all(), tuple(p.shape)
+            assert torch.equal(x[~done], x0[~done])
+            for key in state:
+                assert torch.equal(state[key][done], s1[key][done])
+                assert torch.equal(state[key][~done], s0[key][~done])
+            continue
+        want_x, want_s = (x1, s1) if id(p) in updated else (x0, s0)
+        assert torch.equal(x, want_x), tuple(p.shape)
+        for key in state:
+            assert torch.equal(state[key], want_s[key]), (tuple(p.shape), key)
+    # Groups that saw no update keep their step count.
+    for g, before_step in zip(opt.param_groups, steps_before, strict=True):
+        stepped = any(id(p) in updated | partial for p in g["params"])
+        assert g["step"] == before_step + (1 if stepped else 0)
+    # The next step works and updates everything that has a gradient.
+    _grads(params, 2)
+    mid = _snapshot(params, opt)
+    opt.step()
+    for p, (x, _) in zip(params, mid, strict=True):
+        assert not torch.equal(p, x)
