@@ -22,9 +22,9 @@ from torch.optim import Optimizer
 
 from . import ops
 from .collectives import (
-    LOCAL,
     DTensor,
     Mesh,
+    Placement,
     local,
     orthogonalize_replicated,
     orthogonalize_sharded,
@@ -39,7 +39,7 @@ from .scheduler import StreamScheduler, Transfer, plan_transfer
 
 log = logging.getLogger(__name__)
 
-LOCAL_PLACEMENT = placement_of(torch.empty(0, 0), LOCAL, False, "")
+LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
 # Chosen by a sweep on the H200 (docs/benchmarks.md, qwen3-30b-a3b-ep8-rank): 128 MiB gave the
 # fastest offloaded step for fp32 state (0.324 s against 0.326 at 64 MiB, 0.336 at 256 MiB,
