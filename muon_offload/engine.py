@@ -242,7 +242,9 @@ class ChunkedOptimizer(Optimizer):
             keys = self.state_keys[info.algorithm]
             if info.resident:
                 dtype = self._state_dtype(p)
-                self.state[p].update({k: torch.zeros_like(local(p), dtype=dtype) for k in keys})
+                self.state[p].update(
+                    {k: _like_param(torch.zeros_like(local(p), dtype=dtype), p) for k in keys}
+                )
             else:
                 streamed.append((p, keys))
                 self._streamed.add(p)
@@ -252,7 +254,7 @@ class ChunkedOptimizer(Optimizer):
             specs = [(local(p).shape, self._state_dtype(p)) for p, keys in streamed for _ in keys]
             tensors = iter(self._host.allocate(specs))
             for p, keys in streamed:
-                self.state[p].update({k: next(tensors) for k in keys})
+                self.state[p].update({k: _like_param(next(tensors), p) for k in keys})
         self._plans.clear()
 
     def _synchronize(self) -> None:
@@ -313,7 +315,7 @@ class ChunkedOptimizer(Optimizer):
         self._ensure_state(hypers)
         for gi, p in self._params():
             for key in self.state_keys[hypers[gi].algorithm]:
-                target = self.state[p][key]
+                target = local(self.state[p][key])
                 if p in loaded:
                     target.copy_(local(loaded[p][key]).reshape(target.shape))
                 else:
@@ -378,12 +380,12 @@ class ChunkedOptimizer(Optimizer):
         for unit in chunk.units:
             if isinstance(unit, MuonUnit):
                 key = self.state_keys["muon"][0]
-                out.extend(self.state[work[i][1]][key] for i in unit.params)
+                out.extend(local(self.state[work[i][1]][key]) for i in unit.params)
                 continue
             for seg in unit.segments:
                 state = self.state[work[seg.param][1]]
                 for key in self.state_keys[unit.algorithm]:
-                    out.append(state[key].view(-1)[seg.start : seg.stop])
+                    out.append(local(state[key]).view(-1)[seg.start : seg.stop])
         return out
 
     # ------------------------------------------------------------------- step
@@ -627,6 +629,22 @@ class ChunkedOptimizer(Optimizer):
 
     def _orthogonalizer(self):
         return "polar_express"
+
+
+def _like_param(state: Tensor, param: Tensor) -> Tensor:
+    """State of a DTensor parameter is a DTensor of the same layout around this rank's
+    tensor (on the GPU or in the host slabs), so state_dict() and distributed checkpointing
+    see it sharded like the parameter; the engine itself works on the local tensor."""
+    if not isinstance(param, DTensor):
+        return state
+    return DTensor.from_local(
+        state,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def _unit_params(unit) -> list[int]:

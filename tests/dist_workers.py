@@ -93,7 +93,10 @@ def equivalence(rank, world, port):
     for a, b in zip(tiny[0], whole[0], strict=True):
         assert torch.equal(_local(a), _local(b))
         for key, value in tiny[1].state[a].items():
-            assert torch.equal(value, whole[1].state[b][key]), key
+            # State of a DTensor parameter is a DTensor laid out like it.
+            assert isinstance(value, DTensor) == isinstance(a, DTensor)
+            assert getattr(value, "placements", None) == getattr(a, "placements", None)
+            assert torch.equal(_local(value), _local(whole[1].state[b][key])), key
 
     # Every rank cuts the same chunks: compare the plans across ranks.
     plan = next(iter(tiny[1]._plans.values()))[0]
@@ -266,4 +269,63 @@ def world_of_one(rank, world, port):
         opt.step()
     for a, b in zip(params, plain[0], strict=True):
         assert torch.equal(a, b)
+    _finish()
+
+
+def dcp_resume(rank, world, port, path):
+    """Save through torch.distributed.checkpoint at step 3 with FSDP2 parameters, load into a
+    fresh model and optimizer (other chunk size), continue: bitwise the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init(rank, world, port)
+
+    def make(chunk_bytes):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 30), torch.nn.GELU(), torch.nn.Linear(30, 16, bias=False)
+        )
+        fully_shard(model, mesh=mesh)
+        mats = [p for p in model.parameters() if p.ndim == 2]
+        vecs = [p for p in model.parameters() if p.ndim < 2]
+        groups = [dict(params=mats), dict(params=vecs, algorithm="adamw")]
+        opt = Muon(groups, distributed_mesh=mesh, lr=0.02, offload=True, chunk_bytes=chunk_bytes)
+        return model, opt
+
+    def train(model, opt, steps):
+        for s in steps:
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    straight, straight_opt = make(512)
+    train(straight, straight_opt, range(5))
+
+    first, first_opt = make(512)
+    train(first, first_opt, range(3))
+    dcp.save(
+        {"model": get_model_state_dict(first), "optim": get_optimizer_state_dict(first, first_opt)},
+        checkpoint_id=path,
+    )
+    resumed, resumed_opt = make(1 << 20)
+    state = {
+        "model": get_model_state_dict(resumed),
+        "optim": get_optimizer_state_dict(resumed, resumed_opt),
+    }
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(resumed, state["model"])
+    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    assert [g["step"] for g in resumed_opt.param_groups] == [3, 3]
+    train(resumed, resumed_opt, range(3, 5))
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(_local(a), _local(b))
+        for key, value in resumed_opt.state[a].items():
+            assert torch.equal(_local(value), _local(straight_opt.state[b][key])), key
     _finish()

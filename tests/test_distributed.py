@@ -9,11 +9,11 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.distributed
 
 
-def _spawn(fn, world):
+def _spawn(fn, world, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(fn, args=(world, port), nprocs=world, join=True)
+    mp.spawn(fn, args=(world, port, *args), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -45,3 +45,7 @@ def test_against_dion(world):
 
 def test_world_of_one_equals_plain_step():
     _spawn(dist_workers.world_of_one, 1)
+
+
+def test_distributed_checkpoint_resumes_bitwise(tmp_path):
+    _spawn(dist_workers.dcp_resume, 2, str(tmp_path / "ckpt"))

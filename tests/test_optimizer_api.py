@@ -271,3 +271,35 @@ def test_bad_hyperparameter_set_later_raises_at_step_before_anything_is_touched(
         opt.step()
     after = _snapshot(opt, params)
     _assert_same(after[:2] + (before[2],), before)
+
+
+def test_step_hooks_run_around_the_step():
+    params = _model(8)
+    opt = Muon(_groups(params), offload=True, chunk_bytes=3000)
+    seen = []
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: seen.append(("pre", o.param_groups[0]["step"]))
+    )
+    opt.register_step_post_hook(
+        lambda o, args, kwargs: seen.append(("post", o.param_groups[0]["step"]))
+    )
+    _set_grads(params, 0)
+    opt.step()
+    assert seen == [("pre", 0), ("post", 1)]
+
+
+def test_add_param_group_offloaded_state_goes_to_host_slabs():
+    params = _model(9)
+    opt = Muon([dict(params=params[:4])], offload=True, chunk_bytes=3000)
+    _set_grads(params, 0)
+    opt.step()
+    slabs_before = len(opt._host.slabs)
+    opt.add_param_group(dict(params=params[4:], algorithm="adamw"))
+    _set_grads(params, 1)
+    opt.step()
+    assert len(opt._host.slabs) == slabs_before + 1
+    new_slab = opt._host.slabs[-1]
+    lo, hi = new_slab.data_ptr(), new_slab.data_ptr() + new_slab.numel()
+    for p in params[4:]:
+        for t in opt.state[p].values():
+            assert lo <= t.data_ptr() < hi
