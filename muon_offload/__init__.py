@@ -2,7 +2,8 @@
 through the GPU in chunks inside ``step()``, updated by fused Triton kernels."""
 
 from .adamw import AdamW
-from .engine import DEFAULT_CHUNK_BYTES, StepInterrupted
+from .engine import DEFAULT_CHUNK_BYTES
+from .interrupt import StepInterrupted
 from .muon import Muon
 
 __all__ = ["AdamW", "DEFAULT_CHUNK_BYTES", "Muon", "StepInterrupted"]

@@ -34,7 +34,8 @@ from .collectives import (
 )
 from .groups import Hyper, adjusted_lr, check_grad, split_lr_scales
 from .host_state import HostSlabs
-from .planner import ElementwiseUnit, MuonUnit, ParamInfo, Plan, plan_step
+from .interrupt import interrupted
+from .planner import ElementwiseUnit, MuonUnit, ParamInfo, Plan, plan_step, unit_params
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 
 log = logging.getLogger(__name__)
@@ -46,29 +47,6 @@ LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communicatio
 # 0.469 at 32 MiB where Muon batches get too small) and within 1% of the best for bf16 state,
 # with 0.66 GiB of GPU memory for the staging ring and temporaries.
 DEFAULT_CHUNK_BYTES = 128 << 20
-
-
-class StepInterrupted(RuntimeError):
-    """``step()`` stopped part-way. ``updated`` lists the parameters whose update (weights
-    and state) was applied, ``not_updated`` those left exactly as before the step,
-    ``partial`` element-wise parameters split across chunks and updated in part (each element
-    consistently), ``torn`` resident parameters whose momentum may have advanced without
-    their weight update."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        updated: list[Tensor],
-        not_updated: list[Tensor],
-        partial: list[Tensor],
-        torn: list[Tensor],
-    ):
-        super().__init__(message)
-        self.updated = updated
-        self.not_updated = not_updated
-        self.partial = partial
-        self.torn = torn
 
 
 class ChunkedOptimizer(Optimizer):
@@ -234,7 +212,7 @@ class ChunkedOptimizer(Optimizer):
             infos.append(self._param_info(len(params), gi, p, hypers[gi], resident))
             params.append(p)
         order = [
-            i for unit in plan_step(infos, self.chunk_bytes).units() for i in _unit_params(unit)
+            i for unit in plan_step(infos, self.chunk_bytes).units() for i in unit_params(unit)
         ]
         streamed = []
         for i in dict.fromkeys(order):  # a split element-wise param appears once per piece
@@ -475,7 +453,7 @@ class ChunkedOptimizer(Optimizer):
         try:
             self._scheduler.run(transfers, update)
         except Exception as err:
-            raise self._interrupted(plan, work, finished, err) from err
+            raise interrupted(plan, work, finished, err, self.param_groups) from err
         return loss
 
     def _unit_spans(self, chunk) -> list[tuple[int, int]]:
@@ -489,60 +467,6 @@ class ChunkedOptimizer(Optimizer):
             spans.append((start, start + count))
             start += count
         return spans
-
-    def _interrupted(self, plan, work, finished, err) -> StepInterrupted:
-        """Say which parameters an interrupted step updated, and roll the step counter back
-        for groups that saw no update at all."""
-        updated, pending, torn = set(), set(), set()
-        for chunk, done in zip(plan.chunks, finished, strict=True):
-            for k, unit in enumerate(chunk.units):
-                (updated if k in done else pending).update(_unit_params(unit))
-        failed = next(
-            (i for i, c in enumerate(plan.chunks) if len(finished[i]) < len(c.units)), None
-        )
-        if failed is not None and plan.chunks[failed].resident:
-            # Resident state is updated in place, with no copy to fall back to: a Muon unit
-            # stopped between its momentum update and its weight update keeps the advanced
-            # momentum. Streamed units always fall back to the host copy.
-            chunk = plan.chunks[failed]
-            muon = [k for k, u in enumerate(chunk.units) if isinstance(u, MuonUnit)]
-            stopped = [k for k in muon if k not in finished[failed]]
-            if stopped:
-                torn.update(_unit_params(chunk.units[stopped[0]]))
-        partial = updated & pending  # element-wise parameters split across chunks
-        updated -= partial
-        pending -= partial
-        stepped_groups = {work[i][0] for i in updated | partial}
-        for gi, group in enumerate(self.param_groups):
-            if gi not in stepped_groups:
-                group["step"] -= 1
-
-        def shapes(ids):
-            return sorted({tuple(work[i][1].shape) for i in ids})
-
-        message = (
-            f"step() was interrupted ({type(err).__name__}: {err}). {len(updated)} parameters "
-            f"were updated (weights and state), {len(pending)} were not (weights and state as "
-            f"before the step; shapes {shapes(pending)[:6]})."
-        )
-        if partial:
-            message += (
-                f" {len(partial)} element-wise parameters split across chunks (shapes "
-                f"{shapes(partial)[:6]}) were updated in part: each element's weight and state "
-                "are together either updated or as before."
-            )
-        if torn:
-            message += (
-                f" {len(torn)} resident parameters (shapes {shapes(torn)[:6]}) may have their "
-                "momentum advanced without the weight update."
-            )
-        return StepInterrupted(
-            message + " The next step() updates every parameter that has a gradient.",
-            updated=[work[i][1] for i in sorted(updated)],
-            not_updated=[work[i][1] for i in sorted(pending)],
-            partial=[work[i][1] for i in sorted(partial)],
-            torn=[work[i][1] for i in sorted(torn)],
-        )
 
     def _muon_task(self, unit: MuonUnit, work, h: Hyper, state):
         """One Muon unit: prep, orthogonalize (with collectives when the mesh needs them),
@@ -645,12 +569,6 @@ def _like_param(state: Tensor, param: Tensor) -> Tensor:
         shape=param.shape,
         stride=param.stride(),
     )
-
-
-def _unit_params(unit) -> list[int]:
-    if isinstance(unit, MuonUnit):
-        return list(unit.params)
-    return [s.param for s in unit.segments]
 
 
 def _matrices(t: Tensor, flatten: bool) -> list[Tensor]:

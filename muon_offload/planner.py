@@ -65,6 +65,13 @@ class ElementwiseUnit:
 Unit = MuonUnit | ElementwiseUnit
 
 
+def unit_params(unit: Unit) -> list[int]:
+    """The parameter indices a unit updates (an element-wise one may list one several times)."""
+    if isinstance(unit, MuonUnit):
+        return list(unit.params)
+    return [s.param for s in unit.segments]
+
+
 @dataclass(frozen=True)
 class Chunk:
     units: tuple[Unit, ...]
