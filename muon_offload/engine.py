@@ -215,7 +215,8 @@ class ChunkedOptimizer(Optimizer):
             i for unit in plan_step(infos, self.chunk_bytes).units() for i in unit_params(unit)
         ]
         streamed = []
-        for i in dict.fromkeys(order):  # a split element-wise param appears once per piece
+        # A split element-wise param appears once per piece; an empty one in no unit at all.
+        for i in dict.fromkeys([*order, *range(len(params))]):
             p, info = params[i], infos[i]
             keys = self.state_keys[info.algorithm]
             if info.resident:

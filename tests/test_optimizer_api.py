@@ -303,3 +303,19 @@ def test_add_param_group_offloaded_state_goes_to_host_slabs():
     for p in params[4:]:
         for t in opt.state[p].values():
             assert lo <= t.data_ptr() < hi
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_empty_parameters_get_state_once(offload):
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(0, 5), (4, 6), (0,), (3,)]]
+    opt = Muon(
+        [dict(params=params[:2]), dict(params=params[2:], algorithm="adamw")],
+        offload=offload,
+        chunk_bytes=64,
+    )
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    assert all(opt.state[p] for p in params)
+    assert set(opt.state[params[2]]) == {"momentum", "variance"}
+    assert len(opt._plans) == 1  # state is not re-created (and plans not dropped) every step
