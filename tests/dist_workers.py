@@ -32,16 +32,28 @@ def _finish():
     os._exit(0)
 
 
-def init(rank, world, port):
+# gloo on CPUs (CI) by default; MUON_OFFLOAD_TEST_BACKEND=nccl runs the same checks with one
+# GPU per process, where the offloaded steps take the real stream pipeline.
+BACKEND = os.environ.get("MUON_OFFLOAD_TEST_BACKEND", "gloo")
+DEVICE_TYPE = "cuda" if BACKEND == "nccl" else "cpu"
+DEVICE = torch.device("cpu")  # this process's device, set by init()
+
+
+def init(rank, world, port, mesh_shape=None, mesh_dim_names=None):
+    global DEVICE
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    return init_device_mesh("cpu", (world,))
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(rank)
+        DEVICE = torch.device("cuda", rank)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world)
+    return init_device_mesh(DEVICE_TYPE, mesh_shape or (world,), mesh_dim_names=mesh_dim_names)
 
 
 def full_tensors(seed, shapes):
+    """The same values on every rank and backend: drawn on the CPU, then moved."""
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen) for s in shapes]
+    return [torch.randn(s, generator=gen).to(DEVICE) for s in shapes]
 
 
 def build(mesh, distributed):
@@ -68,7 +80,7 @@ def build(mesh, distributed):
 def set_grads(params, step, mesh):
     gen = torch.Generator().manual_seed(100 + step)
     for p in params:
-        g = torch.randn(p.shape, generator=gen)
+        g = torch.randn(p.shape, generator=gen).to(DEVICE)
         p.grad = distribute_tensor(g, mesh, p.placements) if isinstance(p, DTensor) else g
 
 
@@ -124,8 +136,7 @@ def packed_once(rank, world, port):
     from reference64 import orthogonalize64_batch
 
     mesh = init(rank, world, port)
-    gen = torch.Generator().manual_seed(5)
-    full = [torch.randn(12, 16, generator=gen) for _ in range(3)]
+    full = full_tensors(5, [(12, 16)] * 3)
     results = []
     for distributed in (True, False):
         params = [
@@ -161,6 +172,8 @@ def fsdp2(rank, world, port):
         torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 16, bias=False)
     )
     reference.load_state_dict(model.state_dict())
+    model.to(DEVICE)
+    reference.to(DEVICE)
     fully_shard(model, mesh=mesh)
 
     def groups(m):
@@ -172,7 +185,7 @@ def fsdp2(rank, world, port):
     ref_opt = Muon(groups(reference), lr=0.02)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
-        x = torch.randn(8, 16, generator=gen)
+        x = torch.randn(8, 16, generator=gen).to(DEVICE)
         for m, o in ((model, opt), (reference, ref_opt)):
             m(x).square().mean().backward()
             o.step()
@@ -186,7 +199,7 @@ def fsdp2(rank, world, port):
 def mismatches(rank, world, port):
     mesh = init(rank, world, port)
     # Shapes that differ across ranks: refused at construction, on every rank.
-    p = torch.nn.Parameter(torch.randn(4 + rank, 8))
+    p = torch.nn.Parameter(torch.randn(4 + rank, 8, device=DEVICE))
     try:
         Muon([p], distributed_mesh=dist.group.WORLD)
     except ValueError as err:
@@ -196,8 +209,8 @@ def mismatches(rank, world, port):
     # A DTensor sharded over a mesh other than its group's (its own process group).
     from torch.distributed.device_mesh import DeviceMesh
 
-    other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
-    q = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), other, [Shard(0)]))
+    other = DeviceMesh.from_group(dist.new_group(list(range(world))), DEVICE_TYPE)
+    q = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8, device=DEVICE), other, [Shard(0)]))
     try:
         Muon([dict(params=[q], distributed_mesh=mesh)])
     except ValueError as err:
@@ -215,11 +228,9 @@ def mismatches(rank, world, port):
 
 
 def two_sharded_dims(rank, world, port):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
-    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh2d, [Shard(0), Shard(1)]))
+    mesh2d = init(rank, world, port, (2, world // 2), ("a", "b"))
+    full = torch.randn(8, 8, device=DEVICE)
+    p = torch.nn.Parameter(distribute_tensor(full, mesh2d, [Shard(0), Shard(1)]))
     try:
         Muon([p], distributed_mesh=mesh2d["a"])
     except ValueError as err:
@@ -290,7 +301,7 @@ def dcp_resume(rank, world, port, path):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(16, 30), torch.nn.GELU(), torch.nn.Linear(30, 16, bias=False)
-        )
+        ).to(DEVICE)
         fully_shard(model, mesh=mesh)
         mats = [p for p in model.parameters() if p.ndim == 2]
         vecs = [p for p in model.parameters() if p.ndim < 2]
@@ -300,7 +311,7 @@ def dcp_resume(rank, world, port, path):
 
     def train(model, opt, steps):
         for s in steps:
-            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(s)).to(DEVICE)
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()

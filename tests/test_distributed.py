@@ -1,15 +1,19 @@
-"""Distributed Muon on the CPU: several processes over gloo (see dist_workers.py)."""
+"""Distributed Muon: several processes over gloo on CPUs (CI), or over NCCL with one GPU each
+when MUON_OFFLOAD_TEST_BACKEND=nccl (see dist_workers.py)."""
 
 import socket
 
 import dist_workers
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.distributed
 
 
 def _spawn(fn, world, *args):
+    if dist_workers.DEVICE_TYPE == "cuda" and world > torch.cuda.device_count():
+        pytest.skip(f"needs {world} GPUs, one per process")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
