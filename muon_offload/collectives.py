@@ -27,6 +27,7 @@ from torch import Tensor
 try:  # DTensor is part of torch.distributed, which some builds leave out
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 except ImportError:  # pragma: no cover
     DeviceMesh = DTensor = ()
 
@@ -69,6 +70,18 @@ def local(t: Tensor) -> Tensor:
         inner = getattr(t, "_local_tensor", None)
         return inner if inner is not None else t.to_local()
     return t
+
+
+def dtensor_around(local_tensor: Tensor, like: DTensor) -> DTensor:
+    """A DTensor laid out like ``like`` whose local tensor is ``local_tensor`` itself, wherever
+    it lives. FSDP2 builds its CPU-offloaded shards this way (``_from_local_no_grad``);
+    ``DTensor.from_local`` would copy a host tensor to the mesh's device type."""
+    spec = DTensorSpec(
+        like.device_mesh,
+        tuple(like.placements),
+        tensor_meta=TensorMeta(like.shape, like.stride(), local_tensor.dtype),
+    )
+    return DTensor(local_tensor, spec, requires_grad=False)
 
 
 @dataclass(frozen=True)

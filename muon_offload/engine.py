@@ -25,6 +25,7 @@ from .collectives import (
     DTensor,
     Mesh,
     Placement,
+    dtensor_around,
     local,
     orthogonalize_replicated,
     orthogonalize_sharded,
@@ -559,17 +560,14 @@ class ChunkedOptimizer(Optimizer):
 def _like_param(state: Tensor, param: Tensor) -> Tensor:
     """State of a DTensor parameter is a DTensor of the same layout around this rank's
     tensor (on the GPU or in the host slabs), so state_dict() and distributed checkpointing
-    see it sharded like the parameter; the engine itself works on the local tensor."""
+    see it sharded like the parameter; the engine itself works on the local tensor.
+
+    Built as FSDP2 builds its CPU-offloaded shards (``_from_local_no_grad``), not with
+    ``DTensor.from_local``: that one moves a host tensor to the mesh's device type, which
+    would put offloaded state back on the GPU."""
     if not isinstance(param, DTensor):
         return state
-    return DTensor.from_local(
-        state,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    return dtensor_around(state, param)
 
 
 def _matrices(t: Tensor, flatten: bool) -> list[Tensor]:

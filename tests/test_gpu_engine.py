@@ -88,3 +88,81 @@ def test_state_dict_reads_host_state_after_a_step():
     first = sd["state"][0]["momentum"]
     assert first.device.type == "cpu"
     assert torch.equal(first, opt.state[params[0]]["momentum"])
+
+
+def test_state_dict_of_bench_workload_adds_no_gpu_memory():
+    """The whole bench workload (14.55 GiB of fp32 state), offloaded: ``state_dict()`` hands
+    out the pinned host slabs themselves. No byte of GPU memory is allocated or reserved by
+    it, and no state tensor is copied (each one lies inside a slab), so saving costs what
+    reading the host state costs; bench.py times both."""
+    from muon_offload.bench import build
+    from muon_offload.workloads import qwen3_30b_a3b_ep8_rank
+
+    groups, state_bytes, _ = build(qwen3_30b_a3b_ep8_rank(), torch.device("cuda"))
+    opt = Muon(groups, lr=0.01, offload=True)
+    opt.step()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    sd = opt.state_dict()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == allocated
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved
+
+    slabs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in opt._host.slabs]
+    tensors = [t for values in sd["state"].values() for t in values.values() if torch.is_tensor(t)]
+    nbytes = 0
+    for t in tensors:
+        if t.ndim == 0:  # AdamW's step counter is not streamed state
+            continue
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        assert t.device.type == "cpu" and t.is_pinned()
+        assert any(lo <= start and end <= hi for lo, hi in slabs), "state copied out of slabs"
+        nbytes += t.numel() * t.element_size()
+    assert nbytes == state_bytes
+
+
+def test_dtensor_state_stays_in_host_slabs():
+    """DTensor parameters on a CUDA mesh (world of one): their offloaded state is a DTensor
+    around the pinned host slab itself. ``DTensor.from_local`` would have moved it to the GPU
+    (it follows the mesh's device type), silently undoing the offload."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        init = _race_model(4)[:32]
+        plain = [torch.nn.Parameter(t.cuda()) for t in init]
+        shards = [
+            torch.nn.Parameter(DTensor.from_local(t.cuda(), mesh, [Shard(0)], run_check=False))
+            for t in init
+        ]
+        opts = [
+            Muon(plain, lr=0.01, offload=True, chunk_bytes=2 << 20),
+            Muon(shards, lr=0.01, offload=True, chunk_bytes=2 << 20, distributed_mesh=mesh),
+        ]
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        for _ in range(3):
+            for p, d in zip(plain, shards, strict=True):
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+                d.grad = DTensor.from_local(p.grad.clone(), mesh, [Shard(0)], run_check=False)
+            for opt in opts:
+                opt.step()
+        torch.cuda.synchronize()
+        slabs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in opts[1]._host.slabs]
+        for p, d in zip(plain, shards, strict=True):
+            assert torch.equal(d.to_local(), p)
+            state = opts[1].state[d]["momentum"]
+            assert isinstance(state, DTensor) and state.placements == d.placements
+            inner = state.to_local()
+            assert inner.device.type == "cpu" and inner.is_pinned()
+            assert any(lo <= inner.data_ptr() < hi for lo, hi in slabs)
+            assert torch.equal(inner, opts[0].state[p]["momentum"])
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
