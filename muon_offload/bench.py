@@ -212,6 +212,42 @@ def build(specs, device: torch.device, seed: int = 0):
     return groups, state, weights_and_grads
 
 
+def state_dict_cost(opt, clock: Clock) -> dict:
+    """What saving an offloaded optimizer costs: ``state_dict()`` itself, then reading every
+    tensor it returns once (copied into one pageable buffer, as a serializer would), against
+    reading the host slabs directly into the same buffer; and the GPU memory the call adds."""
+    clock.sync()
+    allocated = torch.cuda.memory_allocated() if clock.cuda else 0
+    clock.reset_peak()
+    t = time.perf_counter()
+    sd = opt.state_dict()
+    call_s = time.perf_counter() - t
+    clock.sync()
+    peak_added = torch.cuda.max_memory_allocated() - allocated if clock.cuda else None
+    tensors = [v for vals in sd["state"].values() for v in vals.values() if torch.is_tensor(v)]
+    nbytes = sum(v.numel() * v.element_size() for v in tensors)
+    slabs = opt._host.slabs if opt._host is not None else []
+    buffer = torch.empty(max(nbytes, sum(s.numel() for s in slabs)), dtype=torch.uint8)
+    buffer.fill_(1)  # fault the pages in before timing
+
+    def copy_all(sources) -> float:
+        start, offset = time.perf_counter(), 0
+        for src in sources:
+            flat = src.reshape(-1).view(torch.uint8)
+            buffer[offset : offset + flat.numel()].copy_(flat)
+            offset += flat.numel()
+        return time.perf_counter() - start
+
+    return {
+        "state_bytes": nbytes,
+        "call_s": call_s,
+        "read_through_state_dict_s": copy_all(tensors),
+        "read_slabs_s": copy_all(slabs),
+        "peak_added_bytes": peak_added,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def _reconfigure(opt, chunk_bytes: int) -> None:
     """Same host state, another chunk size: a fresh plan and staging ring."""
     opt.chunk_bytes, opt._scheduler = chunk_bytes, None
@@ -247,6 +283,8 @@ def run_modes(specs, args, clock: Clock, progress, *, warmup: int, steps: int, f
     opt = Muon(groups, lr=0.01, offload=True, chunk_bytes=args.chunk_bytes)
     timed("ours_offload_fp32", opt)
     if full:
+        progress("state_dict")
+        out["state_dict"] = state_dict_cost(opt, clock)
         out["timeline_fp32"] = timeline(opt, clock)
         sweep(opt, "chunk_sweep")
     _reconfigure(opt, 1 << 50)  # everything in one chunk
@@ -589,7 +627,7 @@ def run(args) -> dict:
     clock = Clock(device)
     use_dion = args.dion_root is not None
     others = [n for n in args.memory_layers if n != args.layers]
-    stages = 6 + 2 * len(args.chunk_mib) + 4 * len(others) + use_dion + (device.type == "cuda")
+    stages = 7 + 2 * len(args.chunk_mib) + 4 * len(others) + use_dion + (device.type == "cuda")
     progress = Progress(stages)
     results: dict = {"info": environment(args)}
     if clock.cuda:

@@ -77,6 +77,16 @@ def table(r: dict) -> str:
     for key, name in (("chunk_sweep", "fp32"), ("chunk_sweep_bf16", "bf16")):
         sweep = {k: round(v["median_s"], 4) for k, v in r.get(key, {}).items()}
         lines.append(f"chunk sweep (offload {name}, MiB: median s): {sweep}")
+    sd = r.get("state_dict")
+    if sd:
+        added = sd["peak_added_bytes"]
+        lines.append(
+            f"state_dict (offload fp32, {sd['state_bytes'] / 2**30:.4g} GiB): call "
+            f"{sd['call_s'] * 1e3:.2f} ms, reading what it returns "
+            f"{sd['read_through_state_dict_s']:.3f} s vs reading the host slabs "
+            f"{sd['read_slabs_s']:.3f} s; GPU memory added "
+            f"{'-' if added is None else added} bytes"
+        )
     lines.append("")
     lines.append("by layers: median s / +GiB above weights and grads")
     memory = r["memory_by_layers"]

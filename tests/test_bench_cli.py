@@ -56,6 +56,10 @@ def test_json_holds_every_mode(tiny_run):
         assert "not installed" in dion["skipped"]
     for key in ("chunk_sweep", "chunk_sweep_bf16"):
         assert len(r[key]) == 3 and all(v["median_s"] > 0 for v in r[key].values())
+    sd = r["state_dict"]
+    assert sd["state_bytes"] == round(r["floor"]["fp32"]["state_gib"] * 2**30)
+    assert sd["call_s"] > 0 and sd["read_through_state_dict_s"] > 0 and sd["read_slabs_s"] > 0
+    assert sd["peak_added_bytes"] is None  # no GPU here
     stages = {row["stage"] for row in r["timeline_fp32"]}
     assert stages == {"copies", "update"}  # the CPU path: copies run serially between updates
     assert len({row["chunk"] for row in r["timeline_fp32"]}) > 1
