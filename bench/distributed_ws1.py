@@ -3,7 +3,8 @@ world-size-1 ProcessGroup (replicated path), and as DTensors on a 1-rank DeviceM
 
     python bench/distributed_ws1.py --out ws1.json [--layers 48]
 
-Each mode: median of the timed steps after warm-up, resident and offloaded (fp32 state).
+Resident and offloaded (fp32 state): the three optimizers step in turn, round after round
+(``interleaved``); each mode's overhead is the median over rounds of its time over plain's.
 """
 
 from __future__ import annotations
@@ -25,17 +26,38 @@ from muon_offload import Muon
 from muon_offload.workloads import materialize, qwen3_30b_a3b_ep8_rank
 
 
-def timed(opt, warmup, steps):
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def interleaved(opts: dict, where: str, warmup: int, rounds: int) -> dict:
+    """Step every optimizer once per round, in an order rotated each round, so that drifts
+    of the card (clocks, temperature) and of the host fall on all modes alike; the overhead
+    is the median over rounds of each mode's time over plain's in the same round."""
     for _ in range(warmup):
-        opt.step()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        opt.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+        for opt in opts.values():
+            opt.step()
+    names = list(opts)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            sync()
+            start = time.perf_counter()
+            opts[name].step()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    out = {}
+    for name in names:
+        ratios = [t / p for t, p in zip(times[name], times["plain"], strict=True)]
+        out[f"{where}_{name}"] = {
+            "median_s": statistics.median(times[name]),
+            "min_s": min(times[name]),
+            "max_s": max(times[name]),
+            "median_ratio_to_plain": statistics.median(ratios),
+            "times_s": times[name],
+        }
+    return out
 
 
 def main() -> int:
@@ -43,15 +65,17 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=21)
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    mesh = init_device_mesh("cuda", (1,))
+    # Without a GPU (a check of the script itself): gloo and the CPU path.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    mesh = init_device_mesh(device, (1,))
 
     specs = qwen3_30b_a3b_ep8_rank(args.layers)
-    params = materialize(specs, "cuda")
+    params = materialize(specs, device)
     muon_idx = [i for i, s in enumerate(specs) if s.algorithm == "muon"]
     adamw_idx = [i for i, s in enumerate(specs) if s.algorithm != "muon"]
 
@@ -69,31 +93,34 @@ def main() -> int:
 
     results = {
         "info": {
-            "card": torch.cuda.get_device_name(),
+            "card": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": vars(args),
         }
     }
+    modes = (
+        ("plain", params, {}),
+        ("process_group_ws1", params, {"distributed_mesh": dist.group.WORLD}),
+        ("device_mesh_ws1_dtensor", dtensors, {"distributed_mesh": mesh}),
+    )
     for offload in (False, True):
-        for name, ps, kwargs in (
-            ("plain", params, {}),
-            ("process_group_ws1", params, {"distributed_mesh": dist.group.WORLD}),
-            ("device_mesh_ws1_dtensor", dtensors, {"distributed_mesh": mesh}),
-        ):
-            key = f"{'offload' if offload else 'resident'}_{name}"
-            print(f"  {key} ...", flush=True)
-            opt = Muon(groups(ps), lr=0.01, offload=offload, **kwargs)
-            results[key] = timed(opt, args.warmup, args.steps)
-            del opt
+        where = "offload" if offload else "resident"
+        print(f"  {where}: {', '.join(m[0] for m in modes)} ...", flush=True)
+        opts = {name: Muon(groups(ps), lr=0.01, offload=offload, **kw) for name, ps, kw in modes}
+        results.update(interleaved(opts, where, args.warmup, args.rounds))
+        del opts
+        if device == "cuda":
             torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
-    for mode in ("resident", "offload"):
-        plain = results[f"{mode}_plain"]["median_s"]
-        for name in ("plain", "process_group_ws1", "device_mesh_ws1_dtensor"):
-            r = results[f"{mode}_{name}"]
-            print(f"{mode:<9}{name:<26}{r['median_s']:>8.4f} s  x{r['median_s'] / plain:.3f}")
+    for where in ("resident", "offload"):
+        for name, _, _ in modes:
+            r = results[f"{where}_{name}"]
+            print(
+                f"{where:<9}{name:<26}{r['median_s']:>8.4f} s  median ratio to plain "
+                f"{r['median_ratio_to_plain']:.4f}"
+            )
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,88 @@
+"""Where a resident Muon step spends its time: torch.profiler over a few steps of ours (and
+dion's, with ``--dion-path``) on the bench workload, GPU kernels grouped by name.
+
+    python bench/profile_step.py --out profile.json [--layers 48] [--dion-path DIR]
+
+Prints the step's wall time, the summed GPU kernel time and the top kernels; the JSON keeps
+every kernel's total and count. GPU idle time (wall minus kernel time) is host overhead:
+launches, Python, the tuner's lookups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from muon_offload import Muon
+from muon_offload.bench import build
+from muon_offload.workloads import qwen3_30b_a3b_ep8_rank
+
+
+def profiled(opt, steps: int) -> dict:
+    print("warming up (first steps tune the kernels) ...", flush=True)
+    for _ in range(2):
+        opt.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[e.name[:90]]
+            k[0] += e.device_time_total / 1e6 / steps
+            k[1] += 1
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {
+        "wall_s": wall,
+        "kernel_s": sum(v[0] for v in kernels.values()),
+        "launches_per_step": sum(v[1] for v in kernels.values()) / steps,
+        "kernels": [{"name": n, "s": s, "count": c / steps} for n, (s, c) in ranked],
+    }
+
+
+def report(name: str, r: dict) -> None:
+    print(
+        f"{name}: wall {r['wall_s']:.4f} s/step, GPU kernels {r['kernel_s']:.4f} s, "
+        f"{r['launches_per_step']:.0f} launches/step"
+    )
+    for k in r["kernels"][:14]:
+        print(f"  {k['s'] * 1e3:9.2f} ms {k['count']:7.0f}x  {k['name']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dion-path", default=None, help="folder holding the dion package")
+    args = ap.parse_args()
+    groups, _, _ = build(qwen3_30b_a3b_ep8_rank(args.layers), torch.device("cuda"))
+    results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results["ours_resident"] = profiled(Muon(groups, lr=0.01), args.steps)
+    report("ours resident", results["ours_resident"])
+    if args.dion_path:
+        sys.path.insert(0, args.dion_path)
+        # dion eager, as the bench runs it: its torch.compile'd step never finished here.
+        torch._dynamo.config.disable = True
+        from dion import Muon as DionMuon
+
+        opt = DionMuon(groups, lr=0.01)
+        results["dion_resident"] = profiled(opt, args.steps)
+        report("dion resident", results["dion_resident"])
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
