@@ -1,17 +1,19 @@
-"""Orthogonalization benchmark: the symmetric products on batched cuBLAS against the Triton
-kernel that computes only the tiles on and below the diagonal (``kernels/gram.py``).
+"""Orthogonalization benchmark: the products of a Polar Express iteration on batched cuBLAS
+against the Triton kernels (``kernels/gram.py``: the symmetric ones, only the tiles on and
+below the diagonal; ``kernels/poly_apply.py``: ``a X + B X``).
 
     python bench/orthogonalize.py --out ortho.json
 
 For each batch of bf16 matrices (the bench workload's shape classes, tall ones in the
 orientation the iteration runs in): ``A = X X^T`` (``torch.bmm`` vs ``sym_gram``),
-``b A + c A A`` (``torch.baddbmm`` vs ``sym_gram`` with y), and a whole 5-iteration Polar
-Express on each path of ``orthogonalize_on`` (cuBLAS; both products on Triton; only X X^T;
-only the polynomial; ``auto``, what ``orthogonalize`` runs). Times are medians of
-``triton.testing.do_bench`` (CUDA events, after tuning and warm-up); TFLOP/s count the full
-products (2 m^2 n, 2 m^3; 5 (4 m^2 n + 2 m^3) per Polar Express) for every path, so they
-compare directly as speed. Accuracy: relative RMS difference between the paths, and of each
-against a float64 Polar Express.
+``b A + c A A`` (``torch.baddbmm`` vs ``sym_gram`` with y), ``a X + B X`` (``torch.baddbmm``
+vs ``poly_apply``; X in the stored layout, so a ``.mT`` view for the tall ones), and a whole
+5-iteration Polar Express on each path of ``orthogonalize_on`` (every name of ``PRODUCTS``,
+and ``auto``, what ``orthogonalize`` runs). Times are medians of ``triton.testing.do_bench``
+(CUDA events, after tuning and warm-up); TFLOP/s count the full products (2 m^2 n, 2 m^3,
+2 m^2 n; 5 (4 m^2 n + 2 m^3) per Polar Express) for every path, so they compare directly as
+speed. The tuner's timings of every ``poly_apply`` config go into the JSON. Accuracy:
+relative RMS difference between the paths, and of each against float64.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from muon_offload.kernels.orthogonalize import (
     orthogonalize_on,
     products_for,
 )
+from muon_offload.kernels.poly_apply import poly_apply
 
 # (label, batch, rows, cols, transposed): the stored matrices are rows x cols; transposed
 # ones are the tall experts' down projections, run on their .mT view as orthogonalize does.
@@ -107,18 +110,44 @@ def bench_shape(label, batch, m, n, transposed, add, rows_out, rounds) -> None:
         flop_poly,
         config=cfg_poly,
     )
+    poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y_cub = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+    y_tri = poly_apply(poly, x, alpha=a)  # tunes, compiles
+    tuned = _launch.TUNER.last.get("poly_apply", {})
+    add(
+        label,
+        "aX + BX",
+        "cublas",
+        ms_of(lambda: torch.baddbmm(x, poly, x, beta=a, alpha=1.0, out=y)),
+        flop_gram,
+    )
+    add(
+        label,
+        "aX + BX",
+        "triton",
+        ms_of(lambda: poly_apply(poly, x, alpha=a, out=y)),
+        flop_gram,
+        config=tuned.get("config"),
+        all_ms=tuned.get("all_ms"),
+    )
+    if tuned.get("all_ms"):
+        best = sorted(tuned["all_ms"].items(), key=lambda t: t[1])[:3]
+        print(f"{'':<38} poly_apply tuned: " + ", ".join(f"{c} {t:.3f}" for c, t in best))
+    k = min(batch, 4)
+    y64 = a * x[:k].double() + poly[:k].double() @ x[:k].double()
     res = {path: orthogonalize_on(u, products=path) for path in (*PRODUCTS, "auto")}
     for r in range(rounds):  # rounds interleave the paths: clock drift shows as spread
         for path in (*PRODUCTS, "auto"):
             ms = ms_of(lambda p=path: orthogonalize_on(u, products=p))
             add(label, "polar express", path, ms, flop_pe, round=r)
-    k = min(batch, 4)
     ref = polar64(u[:k])
     acc = {
-        "triton_vs_cublas": rel(res["triton"], res["cublas"]),
-        "triton_gram_vs_cublas": rel(res["triton_gram"], res["cublas"]),
-        "triton_vs_f64": rel(res["triton"][:k], ref),
-        "cublas_vs_f64": rel(res["cublas"][:k], ref),
+        "aX+BX_triton_vs_cublas": rel(y_tri, y_cub),
+        "aX+BX_triton_vs_f64": rel(y_tri[:k], y64),
+        "aX+BX_cublas_vs_f64": rel(y_cub[:k], y64),
+        **{f"{p}_vs_cublas": rel(res[p], res["cublas"]) for p in PRODUCTS if p != "cublas"},
+        **{f"{p}_vs_f64": rel(res[p][:k], ref) for p in ("cublas", "triton", "triton_all")},
     }
     rows_out.append({"shape": label, "op": "accuracy (rel. RMS)", **acc})
     print(f"{label:<38} accuracy: " + ", ".join(f"{k} {v:.4f}" for k, v in acc.items()))

@@ -162,6 +162,8 @@ class Config:
         if self.block_m:
             parts.append(f"block_m={self.block_m}")
         parts.append(f"warps={self.num_warps}")
+        if self.num_stages != 1:  # configs that differ only in stages must not share a label
+            parts.append(f"stages={self.num_stages}")
         return " ".join(parts)
 
 

@@ -1,6 +1,7 @@
-"""Batched Polar Express / Newton-Schulz orthogonalization, and the Triton symmetric products
-(``sym_gram``) it can run on. Under the interpreter ``tl.dot`` on bf16 is garbage, so the CPU
-tests of the kernel use fp32 and fp16; the GPU tests use bf16."""
+"""Batched Polar Express / Newton-Schulz orthogonalization, and the Triton products it can run
+on: the symmetric ones (``sym_gram``) and ``a X + B X`` (``poly_apply``). Under the interpreter
+``tl.dot`` on bf16 is garbage, so the CPU tests of the kernels use fp32 and fp16; the GPU tests
+use bf16."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 from _kernel_utils import DEVICES as KERNEL_DEVICES
 from _kernel_utils import bf16_ulp, randn
+from muon_offload.kernels import poly_apply as poly_apply_module
 from muon_offload.kernels.gram import sym_gram, sym_gram_reference
 from muon_offload.kernels.orthogonalize import orthogonalize, orthogonalize_on, products_for
+from muon_offload.kernels.poly_apply import poly_apply, poly_apply_reference
 from reference64 import orthogonalize64
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -148,12 +151,102 @@ def test_sym_gram_int64_offset_probe(device, untuned):
     _check_gram(out.clone(), x.clone())
 
 
+# --- poly_apply: the kernel against its torch reference ----------------------------------
+
+
+def _check_apply(got, poly, x, alpha):
+    """As ``_check_gram``: one ulp of the fp32 reference's rounding (fp16: 2^-10 relative)
+    plus fp32 accumulation-order error; fp32 outputs to a few fp32 ulps."""
+    assert not torch.isnan(got).any(), "NaN in output (a tile left unwritten?)"
+    want = poly_apply_reference(poly, x, alpha=alpha).float().cpu()
+    xf = x.float().cpu().abs()
+    terms = abs(alpha) * xf + poly.float().cpu().abs() @ xf
+    err = (got.float().cpu() - want).abs()
+    if got.dtype == torch.float32:
+        bound = 1e-6 * terms + 1e-30
+    else:
+        bound = bf16_ulp(want) * 1.001 if got.dtype == torch.bfloat16 else want.abs() * 2.0**-10
+        bound = bound + 1e-5 * terms
+    assert (err <= bound).all(), f"max error {err.max().item()}, {(err > bound).sum()} over"
+
+
+def _symmetric(batch, m, dtype, device, gen):
+    b = torch.randn((batch, m, m), generator=gen)
+    return ((b + b.mT) / (2 * m**0.5)).to(device=device, dtype=dtype)
+
+
+# Under the interpreter's 32 x 32 tiles: 1 x 7 (one partial tile); 70 x 90 (3 x 3 tiles,
+# partial ones both ways, K not a multiple of the 32-wide K step); 64 x 64 (no masks).
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("products", ["triton", "triton_gram", "triton_poly"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("m,n", [(1, 7), (70, 90), (64, 64)], ids=str)
+def test_poly_apply_matches_reference(device, dtype, m, n, untuned):
+    gen = torch.Generator().manual_seed(m + n)
+    x = randn((2, m, n), dtype, device, generator=gen)
+    poly = _symmetric(2, m, dtype, device, gen)
+    out = _poisoned((2, m, n), dtype, device)
+    assert poly_apply(poly, x, alpha=2.3466, out=out) is out
+    _check_apply(out, poly, x, 2.3466)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_poly_apply_transposed_views(device, dtype, untuned):
+    """x a ``.mT`` view (the first iteration of a tall batch), poly column-major (read as its
+    transpose), out a transposed view of a buffer."""
+    gen = torch.Generator().manual_seed(5)
+    x = randn((2, 45, 40), dtype, device, generator=gen).mT  # [2, 40, 45], stride(-2) == 1
+    poly = _symmetric(2, 40, dtype, device, gen).mT.contiguous().mT
+    assert poly.stride(-2) == 1
+    out = _poisoned((2, 45, 40), dtype, device).mT
+    poly_apply(poly, x, alpha=-0.5, out=out)
+    _check_apply(out, poly, x, -0.5)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_poly_apply_int64_offset_probe(device, untuned):
+    """As sym_gram's: the third matrix of x and of out starts past 2^31 elements."""
+    m, n, stride = 24, 40, (1 << 30) + 32
+    try:
+        bufs = [torch.empty(2 * stride + m * n, dtype=torch.float16, device=device)]
+        bufs.append(torch.empty_like(bufs[0]))
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve 2 x 4 GiB")
+    x = bufs[0].as_strided((3, m, n), (stride, n, 1))
+    out = bufs[1].as_strided((3, m, n), (stride, n, 1))
+    gen = torch.Generator().manual_seed(6)
+    x.copy_(randn((3, m, n), torch.float16, device, generator=gen))
+    poly = _symmetric(3, m, torch.float16, device, gen)
+    out.fill_(float("nan"))
+    poly_apply(poly, x, alpha=3.89, out=out)
+    _check_apply(out.clone(), poly, x.clone(), 3.89)
+
+
+def test_poly_apply_rejects_bad_arguments():
+    buf = torch.randn(2 * 8 * 12 + 200 + 2 * 8 * 8)  # x, a gap, poly
+    x = buf[: 2 * 8 * 12].view(2, 8, 12)
+    poly = buf[-2 * 8 * 8 :].view(2, 8, 8)
+    with pytest.raises(ValueError, match="overlap x"):
+        poly_apply(poly, x, out=x)
+    with pytest.raises(ValueError, match="overlap x"):  # shifted by 8 elements
+        poly_apply(poly, x, out=buf[8 : 8 + 2 * 8 * 12].view(2, 8, 12))
+    with pytest.raises(ValueError, match="overlap poly"):
+        poly_apply(poly, x, out=buf[-2 * 8 * 12 :].view(2, 8, 12))
+    with pytest.raises(ValueError, match="poly must be"):
+        poly_apply(poly.half(), x)
+    with pytest.raises(ValueError, match="out must be"):
+        poly_apply(poly, x, out=torch.empty(2, 12, 8))
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize(
+    "products", ["triton", "triton_gram", "triton_poly", "triton_apply", "triton_all"]
+)
 def test_orthogonalize_triton_products_match_cublas(device, products, untuned):
     """The whole iteration on the Triton products equals the bmm path. fp32 input (the
     bf16 scale promotes it to fp32), so the interpreter's dot is exact enough; a tall batch,
-    so the transposed layout goes through the kernel."""
+    so the transposed layout goes through the kernels (poly_apply's first iteration reads the
+    ``.mT`` view; later ones write into two buffers in turn)."""
     gen = torch.Generator().manual_seed(3)
     u = randn((2, 70, 40), torch.float32, device, generator=gen)
     ref = orthogonalize_on(u, products="cublas")
@@ -171,9 +264,9 @@ def test_orthogonalize_rejects_unknown_products():
 @pytest.mark.parametrize(
     "shape,want",
     [
-        ((128, 768, 2048), "triton"),
-        ((16, 768, 2048), "triton"),
-        ((6, 2048, 4096), "triton"),
+        ((128, 768, 2048), "triton_all"),
+        ((16, 768, 2048), "triton_all"),
+        ((6, 2048, 4096), "triton_all"),
         ((4, 768, 2048), "cublas"),  # below the smallest measured win
         ((12, 512, 2048), "cublas"),
         ((48, 128, 2048), "cublas"),
@@ -203,13 +296,34 @@ def test_sym_gram_bf16_bench_shape(transposed):
     _check_gram(poly, gram, alpha=0.506, y=gram, beta=-2.77)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("config", poly_apply_module.POLY_APPLY_CONFIGS, ids=lambda c: c.label())
+def test_poly_apply_bf16_bench_shape(transposed, config):
+    """Every config the tuner may choose, on bf16 768 x 2048 and its transposed layout:
+    within one bf16 ulp of the fp32 product, plus fp32 accumulation-order error."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2048, 768, device="cuda").to(torch.bfloat16).mT
+    if not transposed:
+        x = x.contiguous()
+    x = x / 64
+    gram = torch.bmm(x, x.mT)
+    poly = torch.baddbmm(gram, gram, gram, beta=-2.77, alpha=0.506)
+    out = _poisoned(x.shape, torch.bfloat16, "cuda")
+    poly_apply_module._launch(poly, x, out, 3.8917, config)
+    _check_apply(out, poly, x, 3.8917)
+
+
 # Measured on the H200 (bf16 randn, torch 2.11 / triton 3.6): relative RMS error against
 # float64 1.07% for both paths on 16 x 768x2048 and 4 x 2048x768, and the Triton paths'
 # outputs bit-identical to cuBLAS's there (same sequential fp32 accumulation); 1.36% for both
-# on 3 x 200x300, where the two differ by 0.68% (cuBLAS accumulates in another order). Bounds:
-# the update tolerance of test_math (3%), and Triton no worse than cuBLAS by more than a fifth.
+# on 3 x 200x300, where the two differ by 0.68% (cuBLAS accumulates in another order). The
+# paths with a X + B X on poly_apply differ from cuBLAS by about 0.6% after five iterations
+# (the product's rounding flips, 1e-5 alone, grow), with the same error against float64
+# (bench/orthogonalize.py, 2026-11-29). Bounds: the update tolerance of test_math (3%), and
+# Triton no worse than cuBLAS by more than a fifth.
 @pytest.mark.cuda
-@pytest.mark.parametrize("products", ["triton", "triton_gram"])
+@pytest.mark.parametrize("products", ["triton", "triton_gram", "triton_apply", "triton_all"])
 @pytest.mark.parametrize("shape", [(16, 768, 2048), (4, 2048, 768), (3, 200, 300)], ids=str)
 def test_orthogonalize_triton_vs_cublas_bf16(shape, products):
     torch.manual_seed(0)

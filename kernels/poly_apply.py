@@ -1,0 +1,193 @@
+"""The third product of a Polar Express iteration: ``out = alpha X + B X``.
+
+B is [B, M, M] and symmetric (``b A + c A A`` from ``gram.py``), X and ``out`` are [B, M, N];
+X may have any strides (the tall matrices run on a ``.mT`` view). One product of B's row
+block and X's column block per output tile, fp32 accumulation, ``alpha X`` added in fp32 and
+one rounding to out's dtype: what cuBLAS ``baddbmm(X, B, X, beta=alpha)`` computes, without
+its copy of X into the output first. Tiles are numbered along a row of tiles first, so the
+programs that run together share B's row block.
+
+``poly_apply`` is the Triton launcher, ``poly_apply_reference`` the torch version it matches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._launch import TUNER, Config, bench_ms, bucket, dtype_name
+from .gram import MAX_GRID_Y
+
+# ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
+# Measured on the H200 (bench/orthogonalize.py and a sweep, 2026-11-29): 128 x 256 tiles with
+# 8 warps are fastest from 12 x 512x2048 to 6 x 2048x4096 (0.61 ms on 128 x 768x2048, 128 x 128:
+# 0.68 ms). Numbering tiles down a column of 2 tile rows first gained 2.5% there and lost 10% on
+# 2048x4096, so it is not done. A loop over several tiles per program (flattened, so the next
+# tile's loads overlap this one's epilogue) ran up to 1.5x slower with these pointer loads;
+# with host TMA descriptors instead it took 0.575 ms (0.560 on the .mT view, against 0.617):
+# a second kernel, for 16-byte-aligned layouts only, left for later.
+POLY_APPLY_CONFIGS = (
+    Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=3),
+    Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=4),
+    Config(block=128, block_m=128, chunk=64, num_warps=8, num_stages=4),
+    Config(block=128, block_m=128, chunk=64, num_warps=4, num_stages=4),
+    Config(block=256, block_m=64, chunk=64, num_warps=4, num_stages=4),
+    Config(block=64, block_m=128, chunk=64, num_warps=4, num_stages=4),
+)
+# fp32 operands take twice the shared memory per stage: the 16-bit configs would not fit.
+POLY_APPLY_FP32_CONFIGS = (
+    Config(block=128, block_m=64, chunk=32, num_warps=4, num_stages=3),
+    Config(block=64, block_m=64, chunk=32, num_warps=4, num_stages=3),
+)
+POLY_APPLY_INTERPRETER_CONFIG = Config(block=32, block_m=32, chunk=32)
+
+
+@triton.jit
+def _poly_apply_kernel(
+    poly,  # [B, M, M], symmetric
+    x,  # [B, M, N]
+    out,  # [B, M, N]
+    b_start,  # index of the matrix that grid row 0 computes
+    M,
+    N,
+    stride_pb,
+    stride_pm,
+    stride_pk,
+    stride_xb,
+    stride_xm,
+    stride_xn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    EVEN: tl.constexpr,  # M and N multiples of the tile, M of the K step: no masks
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64) + b_start
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    r_m = (i_t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_n = (i_t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    poly += i_b * stride_pb
+    x += i_b * stride_xb
+    out += i_b * stride_ob
+    if EVEN:
+        p_p = poly + r_m[:, None] * stride_pm + o_k[None, :] * stride_pk
+        p_x = x + o_k[:, None] * stride_xm + r_n[None, :] * stride_xn
+    else:  # rows and columns past the end wrap onto valid ones (no masks); never stored
+        p_p = poly + (r_m % M)[:, None] * stride_pm + o_k[None, :] * stride_pk
+        p_x = x + o_k[:, None] * stride_xm + (r_n % N)[None, :] * stride_xn
+
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(M, BLOCK_K)):
+        if EVEN:
+            b_p = tl.load(p_p)
+            b_x = tl.load(p_x)
+        else:
+            k_left = M - k * BLOCK_K
+            b_p = tl.load(p_p, mask=o_k[None, :] < k_left, other=0.0)
+            b_x = tl.load(p_x, mask=o_k[:, None] < k_left, other=0.0)
+        b_acc = tl.dot(b_p, b_x, b_acc, input_precision=PRECISION)
+        p_p += BLOCK_K * stride_pk
+        p_x += BLOCK_K * stride_xm
+
+    p_x = x + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
+    p_o = out + r_m[:, None] * stride_om + r_n[None, :] * stride_on
+    if EVEN:
+        b_acc += alpha * tl.load(p_x).to(tl.float32)
+        tl.store(p_o, b_acc.to(out.dtype.element_ty))
+    else:
+        mask = (r_m[:, None] < M) & (r_n[None, :] < N)
+        b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=mask)
+
+
+def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) -> None:
+    batch, m, n = x.shape
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
+    even = m % config.block_m == 0 and m % config.chunk == 0 and n % config.block == 0
+    stride_pb, stride_pm, stride_pk = poly.stride()
+    if stride_pk != 1 and stride_pm == 1:  # B = B^T: read it so that K stays contiguous
+        stride_pm, stride_pk = stride_pk, stride_pm
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
+    for start in range(0, batch, MAX_GRID_Y):
+        _poly_apply_kernel[(tiles, min(batch - start, MAX_GRID_Y))](
+            poly,
+            x,
+            out,
+            start,
+            m,
+            n,
+            stride_pb,
+            stride_pm,
+            stride_pk,
+            *x.stride(),
+            *out.stride(),
+            alpha,
+            EVEN=even,
+            PRECISION=precision,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block,
+            BLOCK_K=config.chunk,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The byte range [first, last) that a tensor's elements occupy."""
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
+
+
+def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | None = None) -> Tensor:
+    """``out = alpha x + poly @ x`` for a batch x [B, M, N] (any strides) and a symmetric
+    ``poly`` [B, M, M] of x's dtype. ``out`` [B, M, N], any strides, must not overlap x or
+    poly (the kernel reads x again after other tiles are written). Returns out."""
+    if x.ndim != 3:
+        raise ValueError(f"expected x [B, M, N], got shape {tuple(x.shape)}")
+    batch, m, n = x.shape
+    if poly.shape != (batch, m, m) or poly.device != x.device or poly.dtype != x.dtype:
+        raise ValueError(f"poly must be [{batch}, {m}, {m}] {x.dtype} on {x.device}")
+    if out is None:
+        out = torch.empty(batch, m, n, dtype=x.dtype, device=x.device)
+    if out.shape != (batch, m, n) or out.device != x.device:
+        raise ValueError(f"out must be [{batch}, {m}, {n}] on {x.device}")
+    if batch * m * n == 0:
+        return out
+    lo, hi = _span(out)
+    for name, t in (("x", x), ("poly", poly)):
+        t_lo, t_hi = _span(t)
+        if lo < t_hi and t_lo < hi:
+            raise ValueError(f"out must not overlap {name}")
+    key = (
+        dtype_name(x.dtype),
+        dtype_name(out.dtype),
+        m,
+        bucket(n),
+        bucket(batch),
+        x.stride(-1) == 1,  # rows contiguous, or a transposed view
+    )
+
+    def bench(config: Config) -> float:
+        # Reads poly and x, writes only a scratch output: safe to time on the caller's inputs.
+        scratch = torch.empty_like(out)
+        return bench_ms(lambda: _launch(poly, x, scratch, alpha, config))
+
+    configs = POLY_APPLY_FP32_CONFIGS if x.element_size() > 2 else POLY_APPLY_CONFIGS
+    config = TUNER.choose(
+        "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
+    )
+    _launch(poly, x, out, float(alpha), config)
+    return out
+
+
+def poly_apply_reference(poly: Tensor, x: Tensor, *, alpha: float = 1.0) -> Tensor:
+    """The same in fp32 (one rounding to x's dtype at the end)."""
+    return (alpha * x.float() + poly.float() @ x.float()).to(x.dtype)
