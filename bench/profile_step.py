@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
 
-import torch
+# dion eager, as ANCHORS.md measured it (its compiled step never finished on the H200). Read
+# when torch is imported; setting torch._dynamo.config.disable later breaks dion's
+# fullgraph=True functions instead of running them eagerly.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
 from muon_offload import Muon
@@ -72,8 +78,6 @@ def main() -> int:
     report("ours resident", results["ours_resident"])
     if args.dion_path:
         sys.path.insert(0, args.dion_path)
-        # dion eager, as the bench runs it: its torch.compile'd step never finished here.
-        torch._dynamo.config.disable = True
         from dion import Muon as DionMuon
 
         opt = DionMuon(groups, lr=0.01)

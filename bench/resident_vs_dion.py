@@ -1,0 +1,116 @@
+"""Our resident Muon step against dion's, interleaved: the criterion of issue 3 (ours at most
+0.6 x dion on ``qwen3-30b-a3b-ep8-rank``) measured so that a slow spell of the card hits both.
+
+    python bench/resident_vs_dion.py --dion-path DIR --out resident_vs_dion.json [--layers 48]
+
+Why interleaved: on the H200 the resident step (compute-bound) was bimodal on 2026-11-29,
+about 0.155 s in most steps and about 0.25 s in spells of a second or two that hit every
+optimizer stepping then (bench/distributed_ws1.py rounds 2-3); a block of 7 consecutive
+steps can fall entirely inside one (the main bench's resident figure, 0.255 s, that day).
+Here both optimizers step the same parameters and gradients, one after the other in an
+order that alternates by round; the figure is the median over rounds of ours / dion's in
+the same round. Each step's SM clock is recorded where NVML answers (``torch.cuda.clock_rate``).
+dion runs eagerly (torch.compile off), as ANCHORS.md measured it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+# dion eager, as ANCHORS.md measured it (its compiled step never finished on the H200). Read
+# when torch is imported; setting torch._dynamo.config.disable later breaks dion's
+# fullgraph=True functions instead of running them eagerly.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+from muon_offload import Muon
+from muon_offload.bench import build
+from muon_offload.workloads import WORKLOADS, workload
+
+
+def sm_clock_mhz() -> int | None:
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no NVML (pynvml) in this environment, or no GPU
+        return None
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_step(opt) -> dict:
+    sync()
+    start = time.perf_counter()
+    opt.step()
+    sync()
+    return {"s": time.perf_counter() - start, "sm_mhz": sm_clock_mhz()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dion-path", required=True, help="folder holding the dion package")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workload", default="qwen3-30b-a3b-ep8-rank", choices=sorted(WORKLOADS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=25)
+    args = ap.parse_args(argv)
+
+    sys.path.insert(0, args.dion_path)
+    import dion
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    groups, _, _ = build(workload(args.workload, args.layers), device)
+    opts = {"ours": Muon(groups, lr=0.01), "dion": dion.Muon(groups, lr=0.01)}
+    for _ in range(args.warmup):
+        for opt in opts.values():
+            opt.step()
+    steps: dict[str, list[dict]] = {name: [] for name in opts}
+    for r in range(args.rounds):
+        order = ["ours", "dion"] if r % 2 == 0 else ["dion", "ours"]
+        for name in order:
+            steps[name].append(timed_step(opts[name]))
+
+    ratios = [o["s"] / d["s"] for o, d in zip(steps["ours"], steps["dion"], strict=True)]
+    result = {
+        "info": {
+            "card": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "args": vars(args),
+        },
+        "median_ratio_ours_to_dion": statistics.median(ratios),
+        "ratios": ratios,
+    }
+    for name, rows in steps.items():
+        times = [row["s"] for row in rows]
+        result[name] = {
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "max_s": max(times),
+            "steps": rows,
+        }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for name in opts:
+        r = result[name]
+        print(
+            f"{name:<5} median {r['median_s']:.4f} s (min {r['min_s']:.4f}, max {r['max_s']:.4f})"
+        )
+    print(
+        f"ours / dion, median over {args.rounds} rounds: {result['median_ratio_ours_to_dion']:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
