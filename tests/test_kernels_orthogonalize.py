@@ -131,22 +131,32 @@ def test_sym_gram_polynomial(device, dtype, untuned):
     _check_gram(out, a, alpha=0.4232, y=a, beta=-1.7098)
 
 
+def _far_apart(x_shape, out_shape, device, gen):
+    """x [3, *x_shape] (random fp16) and out [3, *out_shape] (NaN), their matrices 2^30 + 32
+    elements apart in two 4 GiB buffers allocated but never touched beyond them: the third
+    matrix starts past 2^31 elements, reached only if the kernel forms batch offsets in
+    int64."""
+    stride = (1 << 30) + 32
+    size = max(x_shape[0] * x_shape[1], out_shape[0] * out_shape[1])
+    try:
+        bufs = [torch.empty(2 * stride + size, dtype=torch.float16, device=device)]
+        bufs.append(torch.empty_like(bufs[0]))
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve 2 x 4 GiB")
+    x = bufs[0].as_strided((3, *x_shape), (stride, x_shape[1], 1))
+    out = bufs[1].as_strided((3, *out_shape), (stride, out_shape[1], 1))
+    x.copy_(randn((3, *x_shape), torch.float16, device, generator=gen))
+    out.fill_(float("nan"))
+    return x, out
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_sym_gram_int64_offset_probe(device, untuned):
     """Three matrices 2^30 + 32 elements apart (a stride that fits int32) in a 4 GiB fp16
     buffer that is allocated but never touched beyond them: the third starts past 2^31
     elements, so the kernel reaches it only if it forms the batch offset in int64."""
-    m, k, stride = 24, 32, (1 << 30) + 32
-    try:
-        bufs = [torch.empty(2 * stride + m * k, dtype=torch.float16, device=device)]
-        bufs.append(torch.empty_like(bufs[0]))
-    except (RuntimeError, MemoryError):
-        pytest.skip("cannot reserve 2 x 4 GiB")
-    x = bufs[0].as_strided((3, m, k), (stride, k, 1))
-    out = bufs[1].as_strided((3, m, m), (stride, m, 1))
     gen = torch.Generator().manual_seed(4)
-    x.copy_(randn((3, m, k), torch.float16, device, generator=gen))
-    out.fill_(float("nan"))
+    x, out = _far_apart((24, 32), (24, 24), device, gen)
     sym_gram(x, out=out)
     _check_gram(out.clone(), x.clone())
 
@@ -206,18 +216,9 @@ def test_poly_apply_transposed_views(device, dtype, untuned):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_poly_apply_int64_offset_probe(device, untuned):
     """As sym_gram's: the third matrix of x and of out starts past 2^31 elements."""
-    m, n, stride = 24, 40, (1 << 30) + 32
-    try:
-        bufs = [torch.empty(2 * stride + m * n, dtype=torch.float16, device=device)]
-        bufs.append(torch.empty_like(bufs[0]))
-    except (RuntimeError, MemoryError):
-        pytest.skip("cannot reserve 2 x 4 GiB")
-    x = bufs[0].as_strided((3, m, n), (stride, n, 1))
-    out = bufs[1].as_strided((3, m, n), (stride, n, 1))
     gen = torch.Generator().manual_seed(6)
-    x.copy_(randn((3, m, n), torch.float16, device, generator=gen))
-    poly = _symmetric(3, m, torch.float16, device, gen)
-    out.fill_(float("nan"))
+    x, out = _far_apart((24, 40), (24, 40), device, gen)
+    poly = _symmetric(3, 24, torch.float16, device, gen)
     poly_apply(poly, x, alpha=3.89, out=out)
     _check_apply(out.clone(), poly, x.clone(), 3.89)
 
