@@ -1,0 +1,87 @@
+"""bench/multi_gpu.py end to end: torchrun, two processes over gloo on CPUs, the tiny model."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "multi_gpu.py"
+HAS_DION = importlib.util.find_spec("dion") is not None
+MODES = ("ours_offload_fp32", "ours_offload_bf16", "ours_resident", "dion_resident", "all_at_once")
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("multi_gpu")
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--warmup",
+        "1",
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+    ]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((out / "multi_gpu.json").read_text())
+
+
+def test_every_mode_timed_over_both_ranks(tiny_run):
+    _, r = tiny_run
+    assert r["info"]["world_size"] == 2 and r["info"]["backend"] == "gloo"
+    for mode in MODES:
+        m = r["modes"][mode]
+        if mode == "dion_resident" and not HAS_DION:
+            assert "skipped" in m
+            continue
+        assert m["steps"] == STEPS and len(m["times_s"]) == STEPS, mode
+        assert 0 < m["min_s"] <= m["median_s"] <= m["max_s"], mode
+        # The step time is the slowest rank's.
+        assert m["median_s"] >= min(m["per_rank_median_s"]) and len(m["per_rank_median_s"]) == 2
+        assert m["peak_gib"] is None and m["peak_added_gib"] is None  # no GPU
+    around = r["modes"]["all_at_once"]["around"]
+    assert around == ("dion_resident" if HAS_DION else "ours_resident")
+
+
+def test_no_floor_without_a_gpu(tiny_run):
+    _, r = tiny_run
+    assert r["bandwidth_gbps"] is None and "no CUDA GPU" in r["bandwidth_note"]
+    assert r["floor"]["fp32"]["floor_s"] is None and r["floor"]["bf16"]["floor_s"] is None
+    assert r["target"]["met"] is None
+
+
+def test_shards_partition_the_model(tiny_run):
+    _, r = tiny_run
+    m = r["model"]
+    assert m["ep"] == 2 and sum(m["params_per_rank"]) == m["params_global"]
+    # The vocabulary (101 rows) is sharded unevenly: the ranks' states differ.
+    assert len(set(m["state_bytes_per_rank"])) == 2
+
+
+def test_parity_with_one_process(tiny_run):
+    proc, r = tiny_run
+    p = r["parity"]
+    assert p["within_tolerance"] and p["max_rel_update_diff"] <= p["rel_tolerance"]
+    # Whole expert matrices and element-wise AdamW take the same arithmetic in both runs.
+    assert p["by_role"]["experts"]["bitwise"] and p["by_role"]["adamw"]["bitwise"]
+    assert "parity" in proc.stdout and "ours offload fp32" in proc.stdout
