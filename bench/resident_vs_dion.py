@@ -9,7 +9,8 @@ optimizer stepping then (bench/distributed_ws1.py rounds 2-3); a block of 7 cons
 steps can fall entirely inside one (the main bench's resident figure, 0.255 s, that day).
 Here both optimizers step the same parameters and gradients, one after the other in an
 order that alternates by round; the figure is the median over rounds of ours / dion's in
-the same round. Each step's SM clock is recorded where NVML answers (``torch.cuda.clock_rate``).
+the same round. Each step's SM clock is recorded where NVML answers
+(``torch.cuda.clock_rate``), and the host's time to return from ``step()``.
 dion runs eagerly (torch.compile off), as ANCHORS.md measured it.
 """
 
@@ -48,11 +49,14 @@ def sync() -> None:
 
 
 def timed_step(opt) -> dict:
+    """The step's time, and the host's: when ``step()`` returned, before the device caught
+    up. A host time close to the step's means the step is bound by launches, not kernels."""
     sync()
     start = time.perf_counter()
     opt.step()
+    host = time.perf_counter() - start
     sync()
-    return {"s": time.perf_counter() - start, "sm_mhz": sm_clock_mhz()}
+    return {"s": time.perf_counter() - start, "host_s": host, "sm_mhz": sm_clock_mhz()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         times = [row["s"] for row in rows]
         result[name] = {
             "median_s": statistics.median(times),
+            "median_host_s": statistics.median(row["host_s"] for row in rows),
             "min_s": min(times),
             "max_s": max(times),
             "steps": rows,
