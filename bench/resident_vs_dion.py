@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in opts:
         r = result[name]
         print(
-            f"{name:<5} median {r['median_s']:.4f} s (min {r['min_s']:.4f}, max {r['max_s']:.4f})"
+            f"{name:<5} median {r['median_s']:.4f} s (min {r['min_s']:.4f}, max {r['max_s']:.4f}),"
+            f" host {r['median_host_s']:.4f} s"
         )
     print(
         f"ours / dion, median over {args.rounds} rounds: {result['median_ratio_ours_to_dion']:.3f}"
