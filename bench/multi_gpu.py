@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 from muon_offload import Muon  # noqa: E402
-from muon_offload.bench import Clock, dion_commit, find_dion  # noqa: E402
+from muon_offload.bench import AllAtOnce, Clock, dion_commit, find_dion  # noqa: E402
 from muon_offload.collectives import local  # noqa: E402
 
 GIB = 1 << 30
@@ -284,25 +284,6 @@ def floors(per_rank_state: list[int], per_rank_bw: list[dict] | None) -> dict:
 
 
 # -------------------------------------------------------------------------------- modes
-
-
-class AllAtOnce:
-    """muon_offload.bench.AllAtOnce for DTensor state: every rank's local state tensors copied
-    in from persistent (pinned, on a GPU) host buffers, the step, and copied back."""
-
-    def __init__(self, opt, keys: tuple[str, ...], pin: bool):
-        self.opt = opt
-        self.state = [local(t) for s in opt.state.values() for k, t in s.items() if k in keys]
-        self.host = [
-            torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in self.state
-        ]
-
-    def step(self) -> None:
-        for t, h in zip(self.state, self.host, strict=True):
-            t.copy_(h, non_blocking=True)
-        self.opt.step()
-        for t, h in zip(self.state, self.host, strict=True):
-            h.copy_(t, non_blocking=True)
 
 
 def allocated(clock: Clock) -> int:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from .collectives import local
 from .workloads import DEFAULT_LAYERS, MAX_LAYERS, WORKLOADS, materialize, workload
 
 GIB = 1 << 30
@@ -363,11 +364,11 @@ def run_dion(args, root: str, runs: list[dict]) -> list[dict]:
 class AllAtOnce:
     """ANCHORS.md's all-at-once offload baseline around a resident optimizer: every state
     tensor copied from persistent (pinned, on a GPU) host buffers to the device, the step,
-    and every one copied back."""
+    and every one copied back. DTensor state is this rank's local tensors."""
 
     def __init__(self, opt, keys: tuple[str, ...], pin: bool):
         self.opt = opt
-        self.state = [t for s in opt.state.values() for k, t in s.items() if k in keys]
+        self.state = [local(t) for s in opt.state.values() for k, t in s.items() if k in keys]
         self.host = [
             torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in self.state
         ]
