@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: 
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 from muon_offload import Muon  # noqa: E402
-from muon_offload.bench import AllAtOnce, Clock, dion_commit, find_dion  # noqa: E402
+from muon_offload.bench import AllAtOnce, Clock, bandwidths, dion_commit, find_dion  # noqa: E402
 from muon_offload.collectives import local  # noqa: E402
 
 GIB = 1 << 30
@@ -229,37 +229,10 @@ def barrier(clock: Clock) -> None:
 # ---------------------------------------------------------------------------- bandwidth
 
 
-def bandwidths(clock: Clock, nbytes: int, reps: int = 5) -> dict:
-    """This rank's pinned copy bandwidth (GB/s, 1e9 bytes/s) while every rank copies too:
-    h2d alone, d2h alone, and each direction when both run at once on two streams. A barrier
-    starts each repetition, so all ranks are in the same phase."""
-    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
-    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(1)
-    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def timed(fn) -> float:
-        times = []
-        for _ in range(reps + 1):  # the first is a warm-up
-            barrier(clock)
-            start = time.perf_counter()
-            fn()
-            clock.sync()
-            times.append(time.perf_counter() - start)
-        return nbytes / statistics.median(times[1:]) / 1e9
-
-    def both():
-        with torch.cuda.stream(s1):
-            dev_b.copy_(host_a, non_blocking=True)
-        with torch.cuda.stream(s2):
-            host_b.copy_(dev_a, non_blocking=True)
-
-    return {
-        "h2d_alone": timed(lambda: dev_b.copy_(host_a, non_blocking=True)),
-        "d2h_alone": timed(lambda: host_b.copy_(dev_a, non_blocking=True)),
-        "both_each": timed(both),
-    }
+def rank_bandwidths(clock: Clock, nbytes: int) -> dict:
+    """This rank's pinned copy bandwidth while every rank copies too: a barrier starts each
+    repetition, so all ranks are in the same phase."""
+    return bandwidths(nbytes, before_each=lambda: barrier(clock), device_copy=False)
 
 
 def floors(per_rank_state: list[int], per_rank_bw: list[dict] | None) -> dict:
@@ -643,7 +616,7 @@ def run(ctx: Context) -> dict:
     results: dict = {"info": environment(args, ctx.device)}
     if clock.cuda:
         progress(f"bandwidth, {dist.get_world_size()} ranks at once")
-        bw = everyone(bandwidths(clock, args.bandwidth_bytes))
+        bw = everyone(rank_bandwidths(clock, args.bandwidth_bytes))
         results["bandwidth_gbps"] = {
             "per_rank": bw,
             "min_over_ranks": {k: min(r[k] for r in bw) for k in bw[0]},

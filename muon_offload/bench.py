@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,9 +100,16 @@ def time_steps(opt, clock: Clock, warmup: int, steps: int, base: int) -> dict:
     }
 
 
-def bandwidths(nbytes: int = GIB, reps: int = 5) -> dict:
+def bandwidths(
+    nbytes: int = GIB,
+    reps: int = 5,
+    *,
+    before_each: Callable[[], None] = torch.cuda.synchronize,
+    device_copy: bool = True,
+) -> dict:
     """GB/s (1e9 bytes/s): h2d alone, d2h alone, each direction when both run at once, and
-    the device copy (bytes read + written)."""
+    (``device_copy``) the device copy (bytes read + written). ``before_each`` starts every
+    repetition; several ranks pass a barrier, so they all copy in the same phase."""
     host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).random_()
     host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
@@ -110,8 +118,8 @@ def bandwidths(nbytes: int = GIB, reps: int = 5) -> dict:
 
     def timed(fn):
         times = []
-        for _ in range(reps + 1):
-            torch.cuda.synchronize()
+        for _ in range(reps + 1):  # the first is a warm-up
+            before_each()
             t = time.perf_counter()
             fn()
             torch.cuda.synchronize()
@@ -124,12 +132,14 @@ def bandwidths(nbytes: int = GIB, reps: int = 5) -> dict:
         with torch.cuda.stream(s2):
             host_b.copy_(dev_a, non_blocking=True)
 
-    return {
+    out = {
         "h2d_alone": nbytes / timed(lambda: dev_b.copy_(host_a, non_blocking=True)) / 1e9,
         "d2h_alone": nbytes / timed(lambda: host_b.copy_(dev_a, non_blocking=True)) / 1e9,
         "both_each": nbytes / timed(both) / 1e9,
-        "device_copy": 2 * nbytes / timed(lambda: dev_b.copy_(dev_a)) / 1e9,
     }
+    if device_copy:
+        out["device_copy"] = 2 * nbytes / timed(lambda: dev_b.copy_(dev_a)) / 1e9
+    return out
 
 
 def timeline(opt, clock: Clock) -> list[dict]:

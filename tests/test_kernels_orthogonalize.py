@@ -78,13 +78,9 @@ def _poisoned(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def _check_gram(got, x, *, alpha=1.0, y=None, beta=0.0):
-    """Within one ulp of the fp32 reference's rounding (plus fp32 accumulation-order error,
-    bounded by a few fp32 ulps of the sum of |terms|); fp32 outputs to a few fp32 ulps."""
-    assert not torch.isnan(got).any(), "NaN in output (a tile left unwritten?)"
-    want = sym_gram_reference(x, alpha=alpha, y=y, beta=beta).float().cpu()
-    xf = x.float().cpu().abs()
-    terms = abs(alpha) * (xf @ xf.mT) + (abs(beta) * y.float().cpu().abs() if y is not None else 0)
+def _assert_within_rounding(got, want, terms):
+    """fp32: relative to the sum of the products' magnitudes (accumulation order); 16-bit:
+    one ulp of the fp32 reference's rounding (fp16: 2^-10 relative) plus the same."""
     err = (got.float().cpu() - want).abs()
     if got.dtype == torch.float32:
         bound = 1e-6 * terms + 1e-30
@@ -92,6 +88,16 @@ def _check_gram(got, x, *, alpha=1.0, y=None, beta=0.0):
         bound = bf16_ulp(want) * 1.001 if got.dtype == torch.bfloat16 else want.abs() * 2.0**-10
         bound = bound + 1e-5 * terms
     assert (err <= bound).all(), f"max error {err.max().item()}, {(err > bound).sum()} over"
+
+
+def _check_gram(got, x, *, alpha=1.0, y=None, beta=0.0):
+    """Within one ulp of the fp32 reference's rounding (plus fp32 accumulation-order error,
+    bounded by a few fp32 ulps of the sum of |terms|); fp32 outputs to a few fp32 ulps."""
+    assert not torch.isnan(got).any(), "NaN in output (a tile left unwritten?)"
+    want = sym_gram_reference(x, alpha=alpha, y=y, beta=beta).float().cpu()
+    xf = x.float().cpu().abs()
+    terms = abs(alpha) * (xf @ xf.mT) + (abs(beta) * y.float().cpu().abs() if y is not None else 0)
+    _assert_within_rounding(got, want, terms)
 
 
 # Sizes under the interpreter's 32 x 32 tiles: 1 row; 40 rows (2 tiles a side, a partial
@@ -171,13 +177,7 @@ def _check_apply(got, poly, x, alpha):
     want = poly_apply_reference(poly, x, alpha=alpha).float().cpu()
     xf = x.float().cpu().abs()
     terms = abs(alpha) * xf + poly.float().cpu().abs() @ xf
-    err = (got.float().cpu() - want).abs()
-    if got.dtype == torch.float32:
-        bound = 1e-6 * terms + 1e-30
-    else:
-        bound = bf16_ulp(want) * 1.001 if got.dtype == torch.bfloat16 else want.abs() * 2.0**-10
-        bound = bound + 1e-5 * terms
-    assert (err <= bound).all(), f"max error {err.max().item()}, {(err > bound).sum()} over"
+    _assert_within_rounding(got, want, terms)
 
 
 def _symmetric(batch, m, dtype, device, gen):
