@@ -43,6 +43,14 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -89,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "info": {
             "card": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
+            "triton": triton_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": vars(args),
         },
