@@ -42,6 +42,7 @@ import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -813,7 +814,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001 - reported, then the process leaves with code 1
+        # Leave at once, without the interpreter's teardown of a live process group (which
+        # can hang or abort, see below): torchrun then ends the other ranks.
+        traceback.print_exc()
+        code = 1
     # gloo with DTensor can abort in interpreter teardown once the work is done (see
     # tests/dist_workers.py::_finish): leave without it.
     sys.stdout.flush()

@@ -40,7 +40,9 @@ def tiny_run(tmp_path_factory):
         str(out),
     ]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path)
+    # CPUs only, also on a machine with GPUs: with CUDA present, offload=True refuses CPU
+    # parameters (engine._check_step) rather than silently taking the CPU path.
+    env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads((out / "multi_gpu.json").read_text())
