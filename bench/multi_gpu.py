@@ -766,6 +766,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
     if args.device == "cuda" and not cuda:
         ap.error("--device cuda, but no CUDA GPU is available")
+    if args.device == "cpu" and cuda:
+        # offload=True refuses CPU parameters where a GPU is present (engine._check_step).
+        ap.error("--device cpu is the check on CPUs: hide the GPUs (CUDA_VISIBLE_DEVICES=)")
     if args.layers is None:
         args.layers = TINY_LAYERS if args.tiny else QWEN3_LAYERS
     for flag in ("layers", "parity_layers", "warmup", "steps", "bandwidth_bytes"):
