@@ -1,17 +1,20 @@
 """Our resident Muon step against dion's, interleaved: the criterion of issue 3 (ours at most
-0.6 x dion on ``qwen3-30b-a3b-ep8-rank``) measured so that a slow spell of the card hits both.
+0.6 x dion on ``qwen3-30b-a3b-ep8-rank``) measured so that a slow spell hits both.
 
     python bench/resident_vs_dion.py --dion-path DIR --out resident_vs_dion.json [--layers 48]
+    python bench/resident_vs_dion.py --dion-path DIR --out rvd.json --chunk-mib 128 512 2048
 
-Why interleaved: on the H200 the resident step (compute-bound) was bimodal on 2026-11-29,
-about 0.155 s in most steps and about 0.25 s in spells of a second or two that hit every
-optimizer stepping then (bench/distributed_ws1.py rounds 2-3); a block of 7 consecutive
-steps can fall entirely inside one (the main bench's resident figure, 0.255 s, that day).
-Here both optimizers step the same parameters and gradients, one after the other in an
-order that alternates by round; the figure is the median over rounds of ours / dion's in
-the same round. Each step's SM clock is recorded where NVML answers
-(``torch.cuda.clock_rate``), and the host's time to return from ``step()``.
-dion runs eagerly (torch.compile off), as ANCHORS.md measured it.
+Why interleaved: on the H200 the resident step was bimodal on 2026-11-29, about 0.155 s in
+most steps and about 0.25 s in spells of a second or two that hit every optimizer stepping
+then (bench/distributed_ws1.py rounds 2-3); a block of 7 consecutive steps can fall entirely
+inside one. On 2026-11-30 this script found both steps bound by launches (the host returns
+from ``step()`` 8 to 9 ms before the card is done) and its one slow step slow on the host.
+Here the optimizers step the same parameters and gradients one after the other, in an order
+that rotates by round; the figure is the median over rounds of ours / dion's in the same
+round. ``--chunk-mib`` steps ours at several chunk sizes (in a resident step the chunk size
+only sets how many same-shape matrices are orthogonalized together). Each step's SM clock is
+recorded where NVML answers (``torch.cuda.clock_rate``), and the host's time to return from
+``step()``. dion runs eagerly (torch.compile off), as ANCHORS.md measured it.
 """
 
 from __future__ import annotations
@@ -75,24 +78,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument(
+        "--chunk-mib",
+        type=int,
+        nargs="+",
+        default=None,
+        help="ours at these chunk sizes (resident, it sets how many same-shape matrices are "
+        "orthogonalized together), each against dion in the same rounds; default: ours' default",
+    )
     args = ap.parse_args(argv)
+    if args.chunk_mib is not None and min(args.chunk_mib) < 1:
+        ap.error("--chunk-mib must be >= 1")
 
     sys.path.insert(0, args.dion_path)
     import dion
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     groups, _, _ = build(workload(args.workload, args.layers), device)
-    opts = {"ours": Muon(groups, lr=0.01), "dion": dion.Muon(groups, lr=0.01)}
+    opts = {}
+    for mib in args.chunk_mib or [None]:
+        name = "ours" if mib is None else f"ours_{mib}mib"
+        opts[name] = Muon(groups, lr=0.01, chunk_bytes=None if mib is None else mib << 20)
+    ours = list(opts)
+    opts["dion"] = dion.Muon(groups, lr=0.01)
     for _ in range(args.warmup):
         for opt in opts.values():
             opt.step()
     steps: dict[str, list[dict]] = {name: [] for name in opts}
     for r in range(args.rounds):
-        order = ["ours", "dion"] if r % 2 == 0 else ["dion", "ours"]
+        # Rotate the order so no optimizer always steps first (or right after dion).
+        names = list(opts)
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             steps[name].append(timed_step(opts[name]))
 
-    ratios = [o["s"] / d["s"] for o, d in zip(steps["ours"], steps["dion"], strict=True)]
+    ratios = {
+        name: [o["s"] / d["s"] for o, d in zip(steps[name], steps["dion"], strict=True)]
+        for name in ours
+    }
     result = {
         "info": {
             "card": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -101,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": vars(args),
         },
-        "median_ratio_ours_to_dion": statistics.median(ratios),
+        "median_ratio_to_dion": {name: statistics.median(r) for name, r in ratios.items()},
         "ratios": ratios,
     }
     for name, rows in steps.items():
@@ -115,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    width = max(map(len, opts))
     for name in opts:
         r = result[name]
         print(
-            f"{name:<5} median {r['median_s']:.4f} s (min {r['min_s']:.4f}, max {r['max_s']:.4f}),"
-            f" host {r['median_host_s']:.4f} s"
+            f"{name:<{width}} median {r['median_s']:.4f} s (min {r['min_s']:.4f}, max "
+            f"{r['max_s']:.4f}), host {r['median_host_s']:.4f} s"
         )
-    print(
-        f"ours / dion, median over {args.rounds} rounds: {result['median_ratio_ours_to_dion']:.3f}"
-    )
+    for name in ours:
+        ratio = result["median_ratio_to_dion"][name]
+        print(f"{name} / dion, median over {args.rounds} rounds: {ratio:.3f}")
     return 0
 
 

@@ -16,7 +16,8 @@ class AdamW(ChunkedOptimizer):
     must stay False, and ``foreach``, ``capturable`` and ``fused`` are accepted and ignored
     (the update is always one fused kernel per chunk). The bias-correction step is the
     group's ``step``, which advances once per ``step()`` call. ``offload``, ``chunk_bytes``,
-    ``resident_bytes``, ``state_dtype`` and ``backend`` are as for ``Muon``.
+    ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype`` and ``backend`` are as for
+    ``Muon``.
     """
 
     state_keys = {"adamw": ("exp_avg", "exp_avg_sq")}
@@ -38,6 +39,7 @@ class AdamW(ChunkedOptimizer):
         offload: bool = False,
         chunk_bytes: int | None = None,
         resident_bytes: int | None = 0,
+        resident_chunk_bytes: int | None = None,
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
     ):
@@ -61,6 +63,7 @@ class AdamW(ChunkedOptimizer):
             offload=offload,
             chunk_bytes=chunk_bytes,
             resident_bytes=resident_bytes,
+            resident_chunk_bytes=resident_chunk_bytes,
             state_dtype=state_dtype,
             backend=backend,
         )

@@ -48,6 +48,18 @@ LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communicatio
 # 0.469 at 32 MiB where Muon batches get too small) and within 1% of the best for bf16 state,
 # with 0.66 GiB of GPU memory for the staging ring and temporaries.
 DEFAULT_CHUNK_BYTES = 128 << 20
+# Resident state crosses no bus: its chunks only decide how many same-shape matrices are
+# orthogonalized together and how many segments share a launch. At 128 MiB the resident
+# bench step issued ~2,300 launches and the host took as long as the card (0.155 vs 0.15 s),
+# so host stalls showed as slow steps; at 512 MiB the host needs 0.06 s and the step 0.149 s
+# (bench/resident_vs_dion.py, H200, 2026-11-30; 2 GiB was no faster). The cost is workspace:
+# the orthogonalizer's buffers scale with the batch (docs/usage.md).
+DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class ChunkedOptimizer(Optimizer):
@@ -64,6 +76,7 @@ class ChunkedOptimizer(Optimizer):
         offload: bool,
         chunk_bytes: int | None,
         resident_bytes: int | None,
+        resident_chunk_bytes: int | None = None,
         state_dtype: torch.dtype | None,
         backend: str,
         distributed_mesh=None,
@@ -72,8 +85,10 @@ class ChunkedOptimizer(Optimizer):
         self._group_meshes: dict[int, Mesh] = {}
         if chunk_bytes is None:
             chunk_bytes = DEFAULT_CHUNK_BYTES
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        _check_positive_int("chunk_bytes", chunk_bytes)
+        if resident_chunk_bytes is None:
+            resident_chunk_bytes = max(chunk_bytes, DEFAULT_RESIDENT_CHUNK_BYTES)
+        _check_positive_int("resident_chunk_bytes", resident_chunk_bytes)
         if resident_bytes is not None and (
             isinstance(resident_bytes, bool)
             or not isinstance(resident_bytes, int)
@@ -88,6 +103,7 @@ class ChunkedOptimizer(Optimizer):
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
         self.offload = bool(offload)
         self.chunk_bytes = chunk_bytes
+        self.resident_chunk_bytes = resident_chunk_bytes
         # Without offload everything is resident; with it, resident_bytes of state stay.
         self.resident_bytes = resident_bytes if self.offload else None
         self.state_dtype = state_dtype
@@ -213,7 +229,9 @@ class ChunkedOptimizer(Optimizer):
             infos.append(self._param_info(len(params), gi, p, hypers[gi], resident))
             params.append(p)
         order = [
-            i for unit in plan_step(infos, self.chunk_bytes).units() for i in unit_params(unit)
+            i
+            for unit in plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes).units()
+            for i in unit_params(unit)
         ]
         streamed = []
         # A split element-wise param appears once per piece; an empty one in no unit at all.
@@ -326,6 +344,7 @@ class ChunkedOptimizer(Optimizer):
             tuple(id(p) for _, p in work),
             tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
             self.chunk_bytes,
+            self.resident_chunk_bytes,
         )
         cached = self._plans.get(key)
         if cached is not None:
@@ -334,7 +353,7 @@ class ChunkedOptimizer(Optimizer):
             self._param_info(i, gi, p, hypers[gi], self._is_resident(p))
             for i, (gi, p) in enumerate(work)
         ]
-        plan = plan_step(infos, self.chunk_bytes)
+        plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
         for i in plan.oversized:
             gi, p = work[i]
             if p in self._oversized_logged:

@@ -35,6 +35,9 @@ class Muon(ChunkedOptimizer):
             chunks during ``step()``.
         chunk_bytes: state bytes per chunk (default 128 MiB).
         resident_bytes: with offload, this much state stays on the GPU (default 0).
+        resident_chunk_bytes: state bytes updated together where none is streamed (resident
+            state: all of it without offload): default 512 MiB, or ``chunk_bytes`` if larger.
+            It sets how many same-shape matrices are orthogonalized in one batch.
         state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
         backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
     """
@@ -63,6 +66,7 @@ class Muon(ChunkedOptimizer):
         offload: bool = False,
         chunk_bytes: int | None = None,
         resident_bytes: int | None = 0,
+        resident_chunk_bytes: int | None = None,
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
     ):
@@ -103,6 +107,7 @@ class Muon(ChunkedOptimizer):
             offload=offload,
             chunk_bytes=chunk_bytes,
             resident_bytes=resident_bytes,
+            resident_chunk_bytes=resident_chunk_bytes,
             state_dtype=state_dtype,
             backend=backend,
             distributed_mesh=distributed_mesh,

@@ -10,6 +10,9 @@ A step's work is cut into *units*, and units are packed into *chunks* of at most
   anywhere (on a multiple of SEGMENT_ALIGN elements) into segments, and no chunk is forced
   over budget by a large embedding.
 - A single muon parameter larger than ``chunk_bytes`` becomes a unit and a chunk of its own.
+- State that stays on the GPU (resident) crosses no bus, so its chunks only sequence the
+  work: they take their own budget, ``resident_chunk_bytes``, larger by default (engine.py),
+  so that Muon batches are larger and a resident step issues fewer launches.
 
 Budgets are counted in ``plan_bytes``: a parameter's state bytes computed from its *global*
 size divided by the mesh size, identical on every rank, so under sharding every rank cuts
@@ -82,28 +85,39 @@ class Chunk:
 @dataclass(frozen=True)
 class Plan:
     chunks: tuple[Chunk, ...]
-    # Muon parameters that alone exceed chunk_bytes (each got a chunk of its own).
+    # Streamed Muon parameters that alone exceed chunk_bytes (each got a chunk of its own).
     oversized: tuple[int, ...] = ()
 
     def units(self):
         return [u for c in self.chunks for u in c.units]
 
 
-def plan_step(params: Sequence[ParamInfo], chunk_bytes: int) -> Plan:
-    """Cut the step's parameters into units and pack the units into chunks.
+def plan_step(
+    params: Sequence[ParamInfo], chunk_bytes: int, resident_chunk_bytes: int | None = None
+) -> Plan:
+    """Cut the step's parameters into units and pack the units into chunks: streamed ones
+    within ``chunk_bytes``, resident ones within ``resident_chunk_bytes`` (default the same).
 
     Resident chunks come first. Within each part, muon units come before element-wise
     parameters; groups keep their order, muon units keep their parameters' first-seen
     order, and element-wise parameters keep theirs.
     """
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    if resident_chunk_bytes is None:
+        resident_chunk_bytes = chunk_bytes
+    for name, value in (
+        ("chunk_bytes", chunk_bytes),
+        ("resident_chunk_bytes", resident_chunk_bytes),
+    ):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
     chunks: list[Chunk] = []
     oversized: list[int] = []
     for resident in (True, False):
         part = [p for p in params if p.resident == resident]
-        packer = _Packer(chunk_bytes, resident)
-        for item in _units_in_order(part, chunk_bytes, oversized):
+        budget = resident_chunk_bytes if resident else chunk_bytes
+        packer = _Packer(budget, resident)
+        # Only a streamed parameter over budget is worth a notice: it sizes the staging ring.
+        for item in _units_in_order(part, budget, [] if resident else oversized):
             if isinstance(item, MuonUnit):
                 packer.add_muon(item)
             else:

@@ -81,10 +81,31 @@ def test_partial_offload_equals_resident_bitwise(resident_bytes):
         assert 0 < len(streamed) < len(SHAPES)
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 3840, 1 << 30])
-def test_chunked_equals_unchunked_resident_bitwise(chunk_bytes):
+@pytest.mark.parametrize("resident_chunk_bytes", [1, 3840, 1 << 30])
+def test_chunked_equals_unchunked_resident_bitwise(resident_chunk_bytes):
     init = _init(torch.float32, seed=2)
-    _assert_bitwise(_run(init, chunk_bytes=chunk_bytes), _run(init, chunk_bytes=1 << 30))
+    chunked = _run(init, resident_chunk_bytes=resident_chunk_bytes)
+    plan = next(iter(chunked[1]._plans.values()))[0]
+    assert len(plan.chunks) > 1 or resident_chunk_bytes == 1 << 30
+    _assert_bitwise(chunked, _run(init, resident_chunk_bytes=1 << 30))
+
+
+def test_resident_chunks_take_their_own_budget():
+    """Resident state crosses no bus: its chunks (and Muon batches) are cut at
+    resident_chunk_bytes, by default max(chunk_bytes, 512 MiB); streamed ones at chunk_bytes."""
+    init = _init(torch.float32, seed=2)
+    resident = _run(init, chunk_bytes=1000)
+    assert resident[1].resident_chunk_bytes == 512 << 20
+    assert len(next(iter(resident[1]._plans.values()))[0].chunks) == 1
+    assert (
+        Muon([torch.nn.Parameter(torch.randn(3, 3))], chunk_bytes=1 << 30).resident_chunk_bytes
+        == 1 << 30
+    )
+    partial = _run(init, offload=True, chunk_bytes=1000, resident_bytes=STATE_BYTES // 2)
+    plan = next(iter(partial[1]._plans.values()))[0]
+    assert [c.resident for c in plan.chunks].count(True) == 1
+    assert all(c.plan_bytes <= 1000 for c in plan.chunks if not c.resident and len(c.units) > 1)
+    _assert_bitwise(partial, resident)
 
 
 def test_bf16_state_dtype_offloaded_equals_resident():

@@ -197,6 +197,12 @@ def test_bad_constructor_arguments():
         Muon(ps, chunk_bytes=0)
     with pytest.raises(ValueError, match="chunk_bytes"):
         Muon(ps, offload=True, chunk_bytes=-5)
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive int, got '1'"):
+        Muon(ps, chunk_bytes="1")
+    with pytest.raises(ValueError, match="resident_chunk_bytes"):
+        Muon(ps, resident_chunk_bytes=0)
+    with pytest.raises(ValueError, match="resident_chunk_bytes"):
+        AdamW(ps, resident_chunk_bytes=2.5)
     with pytest.raises(ValueError, match="betas"):
         AdamW(ps, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="lr"):

@@ -44,18 +44,22 @@ def _random_params(rng, n=40, resident_share=0.0):
     return params
 
 
-def _check_plan(params, plan, chunk_bytes):
+def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
     by_index = {p.index: p for p in params}
     muon_seen = []
     covered = {p.index: [] for p in params if p.algorithm != "muon"}
     for chunk in plan.chunks:
         assert chunk.plan_bytes == sum(u.plan_bytes for u in chunk.units)
+        budget = chunk_bytes
+        if chunk.resident and resident_chunk_bytes is not None:
+            budget = resident_chunk_bytes
         # Over budget only as a lone oversized muon unit, or by less than one aligned
-        # element-wise cut when the budget is smaller than that.
-        if chunk.plan_bytes > max(chunk_bytes, SEGMENT_ALIGN * 8):
+        # element-wise cut when the budget is smaller than that. Only streamed parameters
+        # are reported as oversized (they size the staging ring).
+        if chunk.plan_bytes > max(budget, SEGMENT_ALIGN * 8):
             assert len(chunk.units) == 1 and isinstance(chunk.units[0], MuonUnit)
             assert len(chunk.units[0].params) == 1
-            assert chunk.units[0].params[0] in plan.oversized
+            assert (chunk.units[0].params[0] in plan.oversized) == (not chunk.resident)
         for unit in chunk.units:
             if isinstance(unit, MuonUnit):
                 members = [by_index[i] for i in unit.params]
@@ -95,6 +99,20 @@ def test_random_plans_are_sound(seed, chunk_bytes):
     assert plan == plan_step(params, chunk_bytes)  # pure: same input, same plan
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budgets", [(1, 10**9), (9000, 100), (50_000, 50_000), (100, 9000)])
+def test_resident_and_streamed_parts_take_their_own_budgets(seed, budgets):
+    chunk_bytes, resident_chunk_bytes = budgets
+    params = _random_params(random.Random(seed), resident_share=0.5)
+    plan = plan_step(params, chunk_bytes, resident_chunk_bytes)
+    _check_plan(params, plan, chunk_bytes, resident_chunk_bytes)
+    # Each part is planned as if it were alone with its budget.
+    for resident, budget in ((True, resident_chunk_bytes), (False, chunk_bytes)):
+        part = [p for p in params if p.resident == resident]
+        alone = plan_step(part, budget)
+        assert [c for c in plan.chunks if c.resident == resident] == list(alone.chunks)
+
+
 def test_large_embedding_is_split_so_no_chunk_goes_over_budget():
     emb = ParamInfo(0, 0, "adamw", numel=1_000_003, plan_bytes=8_000_024)
     plan = plan_step([emb], chunk_bytes=1 << 20)
@@ -103,11 +121,13 @@ def test_large_embedding_is_split_so_no_chunk_goes_over_budget():
     _check_plan([emb], plan, 1 << 20)
 
 
-def test_oversized_matrix_gets_its_own_chunk():
-    small = [ParamInfo(i, 0, "muon", 100, 400, ("s",)) for i in range(3)]
-    big = ParamInfo(3, 0, "muon", 10_000, 40_000, ("b",))
+@pytest.mark.parametrize("resident", [False, True])
+def test_oversized_matrix_gets_its_own_chunk(resident):
+    small = [ParamInfo(i, 0, "muon", 100, 400, ("s",), resident) for i in range(3)]
+    big = ParamInfo(3, 0, "muon", 10_000, 40_000, ("b",), resident)
     plan = plan_step(small + [big], chunk_bytes=1000)
-    assert plan.oversized == (3,)
+    # Reported only when streamed: a resident one sizes no staging buffer.
+    assert plan.oversized == (() if resident else (3,))
     assert [u.params for c in plan.chunks for u in c.units] == [(0, 1), (2,), (3,)]
 
 
@@ -130,3 +150,5 @@ def test_one_unit_per_chunk_to_everything_in_one():
 def test_rejects_nonpositive_budget():
     with pytest.raises(ValueError, match="chunk_bytes"):
         plan_step([], 0)
+    with pytest.raises(ValueError, match="resident_chunk_bytes"):
+        plan_step([], 10, 0)
