@@ -3,14 +3,13 @@ step of ours (offloaded with fp32 and bf16 state, resident) against dion's resid
 the all-at-once offload baseline; step time and peak memory are the worst rank's.
 
     torchrun --nproc-per-node 8 bench/multi_gpu.py --out out/multi_gpu --dion-path DIR
-    torchrun --nproc-per-node 2 bench/multi_gpu.py --tiny --device cpu --out out/mg_tiny
+    CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node 2 bench/multi_gpu.py --tiny --device cpu \
+        --out out/mg_tiny
 
-Model, global shapes per layer: attention q 4096x2048, k and v 512x2048, o 2048x4096; router
-128x2048; 128 experts as stacks gate and up [128, 768, 2048], down [128, 2048, 768]; two norms
-(2048,); then embedding and lm_head 151936x2048. Dense tensors are DTensors sharded on dim 0
-over a 1-D mesh of every rank (FSDP2's layout); the expert stacks are sharded on their expert
-dim over a 1-D expert-parallel mesh (EP = world size): each rank holds whole experts, which
-Muon orthogonalizes without communication. Muon for matrices and expert stacks (experts in a
+The model (bench/moe_model.py): Qwen3-30B-A3B's tensors; dense ones are DTensors sharded on
+dim 0 over a 1-D mesh of every rank (FSDP2's layout); the expert stacks are sharded on their
+expert dim over a 1-D expert-parallel mesh (EP = world size): each rank holds whole experts,
+which Muon orthogonalizes without communication. Muon for matrices and expert stacks (experts in a
 param group of their own on the expert mesh), AdamW for norms, embedding and lm_head.
 Parameters and gradients are random (never zero), seeded per global tensor.
 
@@ -50,12 +49,27 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import Tensor  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Shard  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from muon_offload import Muon  # noqa: E402
 from muon_offload.bench import AllAtOnce, Clock, bandwidths, dion_commit, find_dion  # noqa: E402
 from muon_offload.collectives import local  # noqa: E402
+
+# bench/ is on sys.path when this file runs as a script (torchrun bench/multi_gpu.py).
+from moe_model import (  # noqa: E402
+    PARITY_SEED,
+    QWEN3_30B_A3B,
+    QWEN3_LAYERS,
+    TINY,
+    TINY_LAYERS,
+    Dims,
+    build_params,
+    model_specs,
+    param_groups,
+    seed_of,
+    set_grads,
+    state_bytes,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -82,132 +96,11 @@ PARITY_REL_TOL = 2e-2
 NO_GPU = "no CUDA GPU: nothing crosses PCIe, and peak GPU memory is not measured"
 
 
-# ----------------------------------------------------------------------------- the model
-
-
-@dataclass(frozen=True)
-class Dims:
-    hidden: int
-    q_rows: int  # attention heads x head dim
-    kv_rows: int
-    experts: int
-    expert_ffn: int
-    vocab: int
-
-
-QWEN3_30B_A3B = Dims(
-    hidden=2048, q_rows=4096, kv_rows=512, experts=128, expert_ffn=768, vocab=151936
-)
-QWEN3_LAYERS = 48
-# Seconds on CPUs: small matrices, an odd vocabulary (uneven embedding shards).
-TINY = Dims(hidden=32, q_rows=64, kv_rows=16, experts=4, expert_ffn=24, vocab=101)
-TINY_LAYERS = 2
 TINY_CHUNK_BYTES = 2 << 10  # the tiny model's ~20 KiB of state per rank in several chunks
 TINY_PARITY_CHUNK_BYTES = 512
 # Small enough to cut a layer's state into dozens of chunks (each expert stack its own), large
 # enough that the 311 MB embedding shard is not thousands of 64-element segments.
 PARITY_CHUNK_BYTES = 4 * MIB
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]  # global
-    role: str  # "dense": Muon, FSDP mesh; "experts": Muon, expert mesh; "adamw": FSDP mesh
-
-
-ROLES = ("dense", "experts", "adamw")
-
-
-def model_specs(d: Dims, layers: int) -> list[TensorSpec]:
-    h, ffn = d.hidden, d.expert_ffn
-    specs = []
-    for i in range(layers):
-        pre = f"layers.{i}"
-        specs += [
-            TensorSpec(f"{pre}.attn.q_proj", (d.q_rows, h), "dense"),
-            TensorSpec(f"{pre}.attn.k_proj", (d.kv_rows, h), "dense"),
-            TensorSpec(f"{pre}.attn.v_proj", (d.kv_rows, h), "dense"),
-            TensorSpec(f"{pre}.attn.o_proj", (h, d.q_rows), "dense"),
-            TensorSpec(f"{pre}.mlp.router", (d.experts, h), "dense"),
-            TensorSpec(f"{pre}.mlp.experts.gate_proj", (d.experts, ffn, h), "experts"),
-            TensorSpec(f"{pre}.mlp.experts.up_proj", (d.experts, ffn, h), "experts"),
-            TensorSpec(f"{pre}.mlp.experts.down_proj", (d.experts, h, ffn), "experts"),
-            TensorSpec(f"{pre}.input_norm", (h,), "adamw"),
-            TensorSpec(f"{pre}.post_attention_norm", (h,), "adamw"),
-        ]
-    specs.append(TensorSpec("embed_tokens", (d.vocab, h), "adamw"))
-    specs.append(TensorSpec("lm_head", (d.vocab, h), "adamw"))
-    return specs
-
-
-PARAM_SEED, GRAD_SEED = 1, 2  # what a seed draws, folded in with the tensor's index
-PARITY_SEED = 7  # the parity model's parameters and gradients: not the timed model's
-
-
-def seed_of(*parts: int) -> int:
-    seed = 0
-    for part in parts:
-        seed = (seed * 1_000_003 + part) % (1 << 63)
-    return seed
-
-
-def random_full(shape: tuple[int, ...], seed: int, device: torch.device) -> Tensor:
-    """A whole global tensor, the same on every rank (one generator per tensor)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(shape, generator=gen, device=device)
-
-
-def shard_dim0(full: Tensor, mesh: DeviceMesh) -> DTensor:
-    """This rank's dim-0 shard of ``full`` as FSDP2 and DTensor's Shard(0) lay it out
-    (torch.chunk's pieces; trailing ranks empty when there are fewer pieces), copied so that
-    the full tensor can be freed."""
-    pieces = torch.chunk(full, mesh.size(), dim=0)
-    rank = mesh.get_local_rank()
-    mine = pieces[rank].clone() if rank < len(pieces) else full.new_empty((0, *full.shape[1:]))
-    return DTensor.from_local(
-        mine, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
-    )
-
-
-def build_params(specs, meshes: dict, device, seed: int) -> list[torch.nn.Parameter]:
-    params = []
-    for i, spec in enumerate(specs):
-        full = random_full(spec.shape, seed_of(seed, PARAM_SEED, i), device).mul_(0.02)
-        params.append(torch.nn.Parameter(shard_dim0(full, meshes[spec.role])))
-        del full  # one global tensor at a time: the 48-layer model is 31 G elements
-    return params
-
-
-def set_grads(params, specs, seed: int, step: int) -> None:
-    for i, (p, spec) in enumerate(zip(params, specs, strict=True)):
-        full = random_full(spec.shape, seed_of(seed, GRAD_SEED, step, i), local(p).device)
-        p.grad = shard_dim0(full, p.device_mesh)
-        del full
-
-
-def param_groups(params, specs, expert_mesh: DeviceMesh | None) -> list[dict]:
-    """Muon for dense matrices and for the experts (on their own mesh when given), AdamW for
-    the rest."""
-    by_role = {
-        role: [p for p, s in zip(params, specs, strict=True) if s.role == role] for role in ROLES
-    }
-    experts = dict(params=by_role["experts"])
-    if expert_mesh is not None:
-        experts["distributed_mesh"] = expert_mesh
-    return [
-        dict(params=by_role["dense"]),
-        experts,
-        dict(params=by_role["adamw"], algorithm="adamw", lr=ADAMW_LR),
-    ]
-
-
-def state_bytes(params, specs, itemsize: int = 4) -> int:
-    """This rank's optimizer state: momentum for Muon, momentum and variance for AdamW."""
-    return sum(
-        (2 if s.role == "adamw" else 1) * local(p).numel() * itemsize
-        for p, s in zip(params, specs, strict=True)
-    )
 
 
 # ------------------------------------------------------------------------- collectives
@@ -350,7 +243,7 @@ def dion_groups(groups: list[dict]) -> list[dict]:
 def run_modes(ctx, specs, params, dion, dion_note: str | None, results: dict, progress) -> None:
     """Every mode of ``--modes`` on one model, in turn; results are written after each."""
     args, mesh = ctx.args, ctx.meshes["dense"]
-    groups = param_groups(params, specs, ctx.meshes["experts"])
+    groups = param_groups(params, specs, ctx.meshes["experts"], ADAMW_LR)
     modes = results["modes"]
 
     def ours(**kw):
@@ -449,14 +342,14 @@ def parity(ctx, progress) -> dict | None:
     root = dist.get_rank() == 0
     start = full_copies(params, keep=root)
     opt = Muon(
-        param_groups(params, specs, ctx.meshes["experts"]),
+        param_groups(params, specs, ctx.meshes["experts"], ADAMW_LR),
         distributed_mesh=ctx.meshes["dense"],
         lr=MUON_LR,
         offload=True,
         chunk_bytes=args.parity_chunk_bytes,
     )
     reference = [torch.nn.Parameter(t.clone()) for t in start] if root else None
-    ref_opt = Muon(param_groups(reference, specs, None), lr=MUON_LR) if root else None
+    ref_opt = Muon(param_groups(reference, specs, None, ADAMW_LR), lr=MUON_LR) if root else None
     for k in range(args.parity_steps):
         set_grads(params, specs, seed_of(args.seed, PARITY_SEED), k)
         grads = full_copies([p.grad for p in params], keep=root)

@@ -247,6 +247,7 @@ def against_dion(rank, world, port):
     then the collectives, padding and the rest must agree to fp32 rounding, the bound of the
     single-device comparison (tests/test_vs_dion.py)."""
     import dion
+
     from reference64 import orthogonalize64_batch
 
     mesh = init(rank, world, port)

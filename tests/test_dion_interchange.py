@@ -7,9 +7,9 @@ import torch
 
 dion = pytest.importorskip("dion")
 
-from reference64 import orthogonalize64_batch  # noqa: E402
-
 from muon_offload import Muon  # noqa: E402
+
+from reference64 import orthogonalize64_batch  # noqa: E402
 
 # See test_vs_dion.py: dion compiles with fullgraph=True and these shapes pass its default
 # recompile limit.

@@ -3,10 +3,11 @@ when MUON_OFFLOAD_TEST_BACKEND=nccl (see dist_workers.py)."""
 
 import socket
 
-import dist_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+import dist_workers
 
 pytestmark = pytest.mark.distributed
 

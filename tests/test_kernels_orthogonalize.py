@@ -13,6 +13,7 @@ from muon_offload.kernels import poly_apply as poly_apply_module
 from muon_offload.kernels.gram import sym_gram, sym_gram_reference
 from muon_offload.kernels.orthogonalize import orthogonalize, orthogonalize_on, products_for
 from muon_offload.kernels.poly_apply import poly_apply, poly_apply_reference
+
 from reference64 import orthogonalize64
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

@@ -4,9 +4,10 @@ import itertools
 
 import pytest
 import torch
-from reference64 import adamw_step64, lion_step64, muon_step64
 
 from muon_offload import Muon
+
+from reference64 import adamw_step64, lion_step64, muon_step64
 
 SHAPES = {"wide": (33, 70), "tall": (70, 33), "3d": (3, 20, 36)}
 

@@ -9,9 +9,9 @@ dion = pytest.importorskip("dion")
 # exceed Dynamo's default recompile limit of 8 (dion's own tests raise it the same way).
 torch._dynamo.config.cache_size_limit = 64
 
-from reference64 import orthogonalize64_batch  # noqa: E402
-
 from muon_offload import Muon  # noqa: E402
+
+from reference64 import orthogonalize64_batch  # noqa: E402
 
 SHAPES = [(64, 96), (64, 96), (96, 64), (2, 32, 48)]
 VECTORS = [(97,), (1,)]
