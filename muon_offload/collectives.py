@@ -144,18 +144,22 @@ def orthogonalize_sharded(
     if local_size < padded:
         pad = [0, 0] * (-comm_dim - 1) + [0, padded - local_size]
         update = torch.nn.functional.pad(update, pad)
-    sends = list(update.unflatten(0, (world, per_rank)).unbind(0))
-    recvs = [torch.empty_like(s) for s in sends]
-    work = dist.all_to_all(recvs, sends, group=mesh.group, async_op=True)
+    # all_to_all_single on [world, per_rank, ...] buffers: block r goes to rank r, block r of
+    # the result came from rank r. Not the list form (dist.all_to_all): gloo has it only
+    # since pytorch PR 165435 (merged 2026-04, after torch 2.11), and with torch 2.11 + gloo
+    # the list form failed in this function (2026-11-30); NCCL has both.
+    sends = update.unflatten(0, (world, per_rank)).contiguous()
+    recvs = torch.empty_like(sends)
+    work = dist.all_to_all_single(recvs, sends, group=mesh.group, async_op=True)
     yield
     work.wait()
-    whole = orthogonalize(torch.cat(recvs, dim=comm_dim), None)
-    sends = [s.contiguous() for s in torch.tensor_split(whole, world, dim=comm_dim)]
-    recvs = [torch.empty_like(s) for s in sends]
-    work = dist.all_to_all(recvs, sends, group=mesh.group, async_op=True)
+    whole = orthogonalize(torch.cat(recvs.unbind(0), dim=comm_dim), None)
+    sends = torch.stack(torch.tensor_split(whole, world, dim=comm_dim))
+    recvs = torch.empty_like(sends)
+    work = dist.all_to_all_single(recvs, sends, group=mesh.group, async_op=True)
     yield
     work.wait()
-    return torch.stack(recvs).narrow(comm_dim, 0, local_size).flatten(0, 1)[:n]
+    return recvs.narrow(comm_dim, 0, local_size).flatten(0, 1)[:n]
 
 
 def orthogonalize_replicated(
