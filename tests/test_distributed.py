@@ -26,6 +26,10 @@ def test_sharded_and_replicated_step(world):
     _spawn(dist_workers.equivalence, world)
 
 
+def test_sharded_exchange_needs_no_list_all_to_all():
+    _spawn(dist_workers.without_list_all_to_all, 2)
+
+
 def test_packed_parameter_updated_once_with_tiny_chunks():
     _spawn(dist_workers.packed_once, 2)
 
