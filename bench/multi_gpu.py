@@ -233,6 +233,27 @@ def load_dion(args) -> tuple[object | None, str | None]:
         return None, f"dion did not import from {args.dion_root}: {err!r}"
 
 
+def has_list_all_to_all(mesh, device: torch.device) -> bool:
+    """dion's Muon exchanges with the list-form all_to_all, which gloo has only from pytorch PR
+    165435 (2026-04; torch 2.11 lacks it). A backend without it refuses the call on every rank
+    alike, before anything is sent."""
+    world = mesh.size()
+    if world == 1:
+        return True
+    one = torch.zeros(1, device=device)
+    try:
+        dist.all_to_all(
+            [torch.empty_like(one) for _ in range(world)],
+            [one.clone() for _ in range(world)],
+            group=mesh.get_group(),
+        )
+    except RuntimeError as err:
+        if "does not support alltoall" in str(err):
+            return False
+        raise
+    return True
+
+
 def dion_groups(groups: list[dict]) -> list[dict]:
     """dion's Muon takes one mesh for every group. Its expert stacks are sharded only along
     their batch (expert) dim, which dion steps without communication and without checking
@@ -535,6 +556,12 @@ def run(ctx: Context) -> dict:
     ctx.write(results)
 
     dion, dion_note = load_dion(args)
+    if dion is not None and not has_list_all_to_all(ctx.meshes["dense"], ctx.device):
+        dion = None
+        dion_note = (
+            f"dion needs the list-form all_to_all, which {dist.get_backend()} lacks in torch "
+            f"{torch.__version__}"
+        )
     run_modes(ctx, specs, params, dion, dion_note, results, progress)
     ratios(results)
     del params

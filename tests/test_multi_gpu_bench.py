@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.distributed
 
@@ -51,10 +52,16 @@ def tiny_run(tmp_path_factory):
 def test_every_mode_timed_over_both_ranks(tiny_run):
     _, r = tiny_run
     assert r["info"]["world_size"] == 2 and r["info"]["backend"] == "gloo"
+    dion = r["modes"]["dion_resident"]
+    if not HAS_DION:
+        assert "skipped" in dion
+    elif "skipped" in dion:  # gloo without the list-form all_to_all that dion uses
+        assert "all_to_all" in dion["skipped"]
+        assert tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
+    dion_ran = "skipped" not in dion
     for mode in MODES:
         m = r["modes"][mode]
-        if mode == "dion_resident" and not HAS_DION:
-            assert "skipped" in m
+        if mode == "dion_resident" and not dion_ran:
             continue
         assert m["steps"] == STEPS and len(m["times_s"]) == STEPS, mode
         assert 0 < m["min_s"] <= m["median_s"] <= m["max_s"], mode
@@ -62,7 +69,7 @@ def test_every_mode_timed_over_both_ranks(tiny_run):
         assert m["median_s"] >= min(m["per_rank_median_s"]) and len(m["per_rank_median_s"]) == 2
         assert m["peak_gib"] is None and m["peak_added_gib"] is None  # no GPU
     around = r["modes"]["all_at_once"]["around"]
-    assert around == ("dion_resident" if HAS_DION else "ours_resident")
+    assert around == ("dion_resident" if dion_ran else "ours_resident")
 
 
 def test_no_floor_without_a_gpu(tiny_run):
