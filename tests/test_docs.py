@@ -1,0 +1,51 @@
+"""The Python blocks of docs/usage.md run as written (on the CPU here): a block that starts
+with a ``# torchrun`` line runs under torchrun with two gloo processes, a block that starts
+with ``# (continues`` is a fragment of the one before and is left out, a block that imports
+dion runs only where dion is installed."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+USAGE = ROOT / "docs" / "usage.md"
+BLOCKS = re.findall(r"^```python\n(.*?)^```", USAGE.read_text(), flags=re.S | re.M)
+RUNNABLE = [b for b in BLOCKS if not b.startswith("# (continues")]
+
+
+def _env():
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    # The CPU path of offload=True, also on a machine with GPUs (see test_multi_gpu_bench).
+    return dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
+
+
+def test_the_blocks_are_found():
+    assert len(BLOCKS) >= 5 and len(RUNNABLE) == len(BLOCKS) - 1
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param(b, marks=[pytest.mark.distributed] if b.startswith("# torchrun") else [])
+        for b in RUNNABLE
+    ],
+    ids=[f"block{i}" for i in range(len(RUNNABLE))],
+)
+def test_usage_block_runs(code, tmp_path):
+    if re.search(r"^import dion\b", code, flags=re.M) and not importlib.util.find_spec("dion"):
+        pytest.skip("needs dion")
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    cmd = [sys.executable, str(script)]
+    if code.startswith("# torchrun"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", "2", str(script)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
