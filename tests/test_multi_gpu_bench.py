@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,13 @@ SCRIPT = ROOT / "bench" / "multi_gpu.py"
 HAS_DION = importlib.util.find_spec("dion") is not None
 MODES = ("ours_offload_fp32", "ours_offload_bf16", "ours_resident", "dion_resident", "all_at_once")
 STEPS = 2
+
+
+def _failure(proc) -> str:
+    """The lines that name an error first (torchrun's own report fills the tail and cut the
+    cause off on 2026-11-30), then the tails."""
+    errors = [line for line in proc.stderr.splitlines() if re.search(r"Error|Exception", line)]
+    return "\n".join(errors[:20]) + "\n--- stdout\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +53,7 @@ def tiny_run(tmp_path_factory):
     # parameters (engine._check_step) rather than silently taking the CPU path.
     env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _failure(proc)
     return proc, json.loads((out / "multi_gpu.json").read_text())
 
 
