@@ -11,9 +11,10 @@ A step runs in four stages:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,7 @@ class ChunkedOptimizer(Optimizer):
         self._streamed: set[Tensor] = set()  # parameters whose state lives in host memory
         self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
+        self._timeline_marks: list | None = None  # set inside ``timeline()``
         self._constructed = False
         super().__init__(params, defaults)
         self._check_ranks_agree()
@@ -322,6 +324,61 @@ class ChunkedOptimizer(Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
+    # ------------------------------------------------ what tools read and set
+
+    @property
+    def host_state_bytes(self) -> int:
+        """Bytes of host memory (pinned where a GPU exists) held for streamed state."""
+        return self._host.nbytes if self._host is not None else 0
+
+    def host_buffers(self) -> list[Tensor]:
+        """The host buffers (uint8) that hold streamed state, for reading it all at once."""
+        return list(self._host.slabs) if self._host is not None else []
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the device staging ring (0 before the first offloaded step)."""
+        return self._scheduler.staging_bytes if self._scheduler is not None else 0
+
+    def reconfigure(
+        self, chunk_bytes: int | None = None, resident_chunk_bytes: int | None = None
+    ) -> None:
+        """Other chunk budgets for the same state: the next step plans afresh and sizes a new
+        staging ring. State stays where it is."""
+        if chunk_bytes is not None:
+            _check_positive_int("chunk_bytes", chunk_bytes)
+            self.chunk_bytes = chunk_bytes
+        if resident_chunk_bytes is not None:
+            _check_positive_int("resident_chunk_bytes", resident_chunk_bytes)
+            self.resident_chunk_bytes = resident_chunk_bytes
+        self._synchronize()
+        self._scheduler = None
+        self._plans.clear()
+
+    @contextlib.contextmanager
+    def timeline(self) -> Iterator[list[dict]]:
+        """Record the chunk stages of the steps run inside the block::
+
+            with opt.timeline() as rows:
+                opt.step()
+
+        ``rows`` is filled on exit: ``{"chunk", "stage", "start_ms", "end_ms"}`` per chunk and
+        stage (``load``, ``update``, ``store``), ms from the first start. On a GPU they are
+        CUDA events on each stream; on the CPU the stages run one after another."""
+        rows: list[dict] = []
+        marks: list = []
+        self._timeline_marks = marks  # step() hands it to the scheduler
+        try:
+            yield rows
+        finally:
+            self._timeline_marks = None
+            sched = self._scheduler
+            if sched is not None:
+                sched.timeline = None
+                if sched.cuda:
+                    torch.cuda.synchronize(sched.device)
+                rows.extend(sched.timeline_rows(marks))
+
     def _is_resident(self, param: Tensor) -> bool:
         return param not in self._streamed
 
@@ -435,6 +492,7 @@ class ChunkedOptimizer(Optimizer):
         plan, transfers = self._plan(work, hypers)
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
+        self._scheduler.timeline = self._timeline_marks
         steps = [g["step"] for g in self.param_groups]
 
         finished: list[list[int]] = [[] for _ in plan.chunks]  # unit indices done, per chunk

@@ -14,6 +14,7 @@ logic of the pipeline.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -110,8 +111,9 @@ class StreamScheduler:
             make_events = lambda: [torch.cuda.Event() for _ in range(ring)]  # noqa: E731
             self._loaded, self._updated, self._stored = make_events(), make_events(), make_events()
             self._stored_once = [False] * ring
-        # When set to a list, each step appends per chunk (chunk, load, update, store) pairs
-        # of CUDA events, for the bench's timeline; None (default) records nothing.
+        # When set to a list, each step appends (chunk, stage, start, end) per chunk and stage
+        # ("load", "update", "store"): CUDA events on the GPU, perf_counter seconds on the CPU.
+        # None (default) records nothing. ``timeline_rows`` turns it into milliseconds.
         self.timeline: list | None = None
 
     @property
@@ -161,11 +163,17 @@ class StreamScheduler:
                     update(i, None)
                     continue
                 slot = slot_of[i]
+                marks = self._mark(i, "load", None)
                 for run in transfer.runs:
                     self._staging[slot][run.offset : run.offset + run.host.numel()].copy_(run.host)
+                self._end_mark(marks, None)
+                marks = self._mark(i, "update", None)
                 update(i, self._views(slot, transfer))
+                self._end_mark(marks, None)
+                marks = self._mark(i, "store", None)
                 for run in transfer.runs:
                     run.host.copy_(self._staging[slot][run.offset : run.offset + run.host.numel()])
+                self._end_mark(marks, None)
             return
 
         compute = torch.cuda.current_stream(self.device)
@@ -226,12 +234,32 @@ class StreamScheduler:
     def _mark(self, chunk: int, stage: str, stream):
         if self.timeline is None:
             return None
+        if not self.cuda:
+            self.timeline.append([chunk, stage, time.perf_counter(), None])
+            return self.timeline[-1]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         self.timeline.append((chunk, stage, start, end))
         return end
 
-    @staticmethod
-    def _end_mark(end, stream) -> None:
-        if end is not None:
+    def _end_mark(self, end, stream) -> None:
+        if end is None:
+            return
+        if self.cuda:
             end.record(stream)
+        else:
+            end[3] = time.perf_counter()
+
+    def timeline_rows(self, marks: list) -> list[dict]:
+        """``timeline`` marks as rows of ms from the earliest start (synchronize first)."""
+        if not marks:
+            return []
+        if self.cuda:
+            ref = marks[0][2]
+            rows = [(c, s, ref.elapsed_time(a), ref.elapsed_time(b)) for c, s, a, b in marks]
+        else:
+            rows = [(c, s, a * 1e3, b * 1e3) for c, s, a, b in marks]
+        t0 = min(r[2] for r in rows)
+        return [
+            {"chunk": c, "stage": s, "start_ms": a - t0, "end_ms": b - t0} for c, s, a, b in rows
+        ]
