@@ -3,7 +3,7 @@ through the GPU in chunks inside ``step()``, updated by fused Triton kernels."""
 
 from .adamw import AdamW
 from .engine import DEFAULT_CHUNK_BYTES
-from .interrupt import StepInterrupted
+from .engine.interrupt import StepInterrupted
 from .muon import Muon
 
 __all__ = ["AdamW", "DEFAULT_CHUNK_BYTES", "Muon", "StepInterrupted"]

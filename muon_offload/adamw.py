@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from .elementwise import AdamWUpdate
 from .engine import ChunkedOptimizer
-from .groups import Hyper, read_torch_adamw_hyper
+from .hyper import Hyper, read_torch_adamw_hyper
 
 
 class AdamW(ChunkedOptimizer):
@@ -20,7 +21,7 @@ class AdamW(ChunkedOptimizer):
     ``Muon``.
     """
 
-    state_keys = {"adamw": ("exp_avg", "exp_avg_sq")}
+    algorithms = {"adamw": AdamWUpdate(("exp_avg", "exp_avg_sq"))}
 
     def __init__(
         self,

@@ -4,13 +4,85 @@ engine. Same constructor, param-group keys, update rules and state keys (``momen
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import Tensor
 
-from .engine import ChunkedOptimizer
-from .groups import ADJUST_LR_MODES, Hyper, read_hyper
+from .distributed import local, orthogonalize_replicated, orthogonalize_sharded, placement_of
+from .elementwise import AdamWUpdate, LionUpdate
+from .engine import ChunkedOptimizer, dispatch
+from .engine.algorithm import Algorithm, UnitJob
+from .hyper import ADJUST_LR_MODES, Hyper, adjusted_lr, read_hyper, split_lr_scales
 from .kernels.orthogonalize import ORTHOGONALIZERS
+
+
+class MuonUpdate(Algorithm):
+    """One Muon unit (a batch of same-shape matrices): prep, orthogonalize (with dion's
+    collectives when the mesh needs them), apply."""
+
+    name = "muon"
+    elementwise = False
+
+    def __init__(self, state_keys: tuple[str, ...], orthogonalizer):
+        super().__init__(state_keys)
+        self.orthogonalizer = orthogonalizer
+
+    def update(self, job: UnitJob) -> Iterator[None]:
+        h, params = job.hyper, job.params
+        xs, gs, ms = [], [], []
+        for p, g, m in zip(params, job.grads, job.state[0], strict=True):
+            xs.extend(_matrices(local(p), h.flatten))
+            gs.extend(_matrices(g, h.flatten))
+            ms.extend(_matrices(m, h.flatten))
+        if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
+            return
+        if ms[0].numel():
+            update, sumsq = dispatch.muon_prep(job.backend, ms, gs, mu=h.mu, nesterov=h.nesterov)
+        else:  # an empty shard still takes part in every collective
+            update = torch.empty((len(ms), *ms[0].shape), dtype=torch.bfloat16, device=ms[0].device)
+            sumsq = torch.zeros(len(ms), dtype=torch.float32, device=ms[0].device)
+        shape = params[0].shape  # global shape: the lr adjustment is the whole matrix's
+        scales = h.split_sizes and split_lr_scales(h.split_sizes, shape, h.adjust_lr)
+
+        def orthogonalize(u: Tensor, s: Tensor | None) -> Tensor:
+            return dispatch.orthogonalize_batch(
+                u,
+                s,
+                method=self.orthogonalizer,
+                eps=h.eps,
+                split_sizes=h.split_sizes,
+                split_scales=scales,
+            )
+
+        where = f"param group {job.group} (parameter of shape {tuple(shape)})"
+        placement = placement_of(params[0], job.mesh, h.flatten, where)
+        if placement.kind == "sharded":
+            ortho = yield from orthogonalize_sharded(update, placement, job.mesh, orthogonalize)
+        elif placement.kind == "replicated":
+            ortho = yield from orthogonalize_replicated(update, sumsq, job.mesh, orthogonalize)
+        else:
+            ortho = orthogonalize(update, sumsq)
+        if xs[0].numel():
+            dispatch.muon_apply_(
+                job.backend,
+                xs,
+                ortho,
+                lr=h.lr,
+                weight_decay=h.weight_decay,
+                adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
+            )
+
+
+def _matrices(t: Tensor, flatten: bool) -> list[Tensor]:
+    """The matrices a muon tensor is orthogonalized as (views, no copies for contiguous t;
+    explicit sizes, so an empty shard still gives its count of empty matrices)."""
+    if flatten:
+        return [t.reshape(t.shape[0], math.prod(t.shape[1:]))]
+    if t.ndim == 2:
+        return [t]
+    return list(t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1]).unbind(0))
 
 
 class Muon(ChunkedOptimizer):
@@ -41,8 +113,6 @@ class Muon(ChunkedOptimizer):
         state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
         backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
     """
-
-    state_keys = {"muon": ("momentum",), "adamw": ("momentum", "variance"), "lion": ("momentum",)}
 
     def __init__(
         self,
@@ -86,7 +156,11 @@ class Muon(ChunkedOptimizer):
                 f"unknown orthogonalizer {orthogonalizer!r}; expected a callable or one of "
                 f"{tuple(ORTHOGONALIZERS)}"
             )
-        self.orthogonalizer = orthogonalizer
+        self.algorithms = {
+            "muon": MuonUpdate(("momentum",), orthogonalizer),
+            "adamw": AdamWUpdate(("momentum", "variance")),
+            "lion": LionUpdate(("momentum",)),
+        }
         defaults = dict(
             lr=lr,
             mu=mu,
@@ -113,8 +187,13 @@ class Muon(ChunkedOptimizer):
             distributed_mesh=distributed_mesh,
         )
 
+    @property
+    def orthogonalizer(self):
+        return self.algorithms["muon"].orthogonalizer
+
+    @orthogonalizer.setter
+    def orthogonalizer(self, method) -> None:
+        self.algorithms["muon"].orthogonalizer = method
+
     def _read_hyper(self, group: dict, index: int) -> Hyper:
         return read_hyper(group, index)
-
-    def _orthogonalizer(self):
-        return self.orthogonalizer

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from muon_offload import Muon, StepInterrupted
-from muon_offload.engine import ChunkedOptimizer
+from muon_offload.elementwise import AdamWUpdate, LionUpdate
+from muon_offload.muon import MuonUpdate
 
 SHAPES = [(24, 40), (24, 40), (40, 24), (3, 8, 12), (16, 16), (77,), (300,), (5,)]
 
@@ -33,25 +34,19 @@ def _snapshot(params, opt):
 
 
 def _inject(monkeypatch, method, fail_at):
-    original = getattr(ChunkedOptimizer, method)
+    """Fail the ``fail_at``-th unit update of Muon units or of element-wise units."""
     calls = {"n": 0}
+    classes = (MuonUpdate,) if method == "_muon_task" else (AdamWUpdate, LionUpdate)
+    for cls in classes:
+        original = cls.update
 
-    if method == "_muon_task":
-
-        def failing(self, *args):
+        def failing(self, job, original=original):
             calls["n"] += 1
             if calls["n"] == fail_at:
                 raise RuntimeError("injected failure")
-            yield from original(self, *args)
-    else:
+            return original(self, job)
 
-        def failing(self, *args):
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise RuntimeError("injected failure")
-            return original(self, *args)
-
-    monkeypatch.setattr(ChunkedOptimizer, method, failing)
+        monkeypatch.setattr(cls, "update", failing)
 
 
 @pytest.mark.parametrize("offload", [True, False])

@@ -218,7 +218,7 @@ def test_kernels_offloaded_equal_kernels_resident_bitwise():
 
 
 def test_failed_pinned_allocation_names_the_bytes(monkeypatch):
-    from muon_offload.host_state import HostSlabs
+    from muon_offload.engine.host_slabs import HostSlabs
 
     real_empty = torch.empty
 

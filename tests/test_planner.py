@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from muon_offload.planner import (
+from muon_offload.engine.planner import (
     SEGMENT_ALIGN,
     ElementwiseUnit,
     MuonUnit,

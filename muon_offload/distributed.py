@@ -122,6 +122,34 @@ def placement_of(p: Tensor, mesh: Mesh, flatten: bool, where: str) -> Placement:
     return Placement("local")  # batch dim sharded: every local matrix is whole
 
 
+def check_ranks_agree(param_groups: list[dict], mesh_of: Callable[[int], Mesh]) -> None:
+    """Every rank of a mesh must hold the same parameters (global shapes and dtypes) in the
+    same groups, or the collectives would pair the wrong tensors. Checked once, at
+    construction and when a group is added, before any step's collective."""
+    meshes: dict[int, tuple[Mesh, list[int]]] = {}
+    for gi in range(len(param_groups)):
+        mesh = mesh_of(gi)
+        if mesh.group is not None:
+            meshes.setdefault(id(mesh.group), (mesh, []))[1].append(gi)
+    for mesh, group_indices in meshes.values():
+        mine = [
+            (gi, param_groups[gi].get("algorithm"), tuple(p.shape), str(p.dtype))
+            for gi in group_indices
+            for p in param_groups[gi]["params"]
+        ]
+        everyone = [None] * mesh.size
+        dist.all_gather_object(everyone, mine, group=mesh.group)
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                diff = next(
+                    (a, b) for a, b in zip(mine + [None], theirs + [None], strict=False) if a != b
+                )
+                raise ValueError(
+                    f"parameters differ across ranks: this rank (rank {mesh.rank}) has "
+                    f"{diff[0]}, rank {rank} has {diff[1]} (group, algorithm, shape, dtype)"
+                )
+
+
 Orthogonalize = Callable[[Tensor, Tensor | None], Tensor]
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .kernels import elementwise, muon, orthogonalize
+from ..kernels import elementwise, muon, orthogonalize
 
 BACKENDS = ("auto", "triton", "torch")
 

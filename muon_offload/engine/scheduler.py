@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .host_state import ALIGN_BYTES, align_up
+from .host_slabs import ALIGN_BYTES, align_up
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class ParamInfo:
 
 @dataclass(frozen=True)
 class MuonUnit:
+    algorithm = "muon"  # a class attribute, not a field: every MuonUnit is one
     group: int
     params: tuple[int, ...]
     plan_bytes: int

@@ -1,0 +1,52 @@
+"""What the engine asks of an algorithm: the per-unit update.
+
+The engine (``optimizer.py``) owns state, plans, streams and interruption; an algorithm owns
+the math of one unit, as dion's ``muon.py`` supplies its tasks over ``megabatch_base.py``.
+``Muon`` (``muon.py``) and the element-wise rules (``elementwise.py``) implement it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..distributed import Mesh
+from ..hyper import Hyper
+
+
+@dataclass(frozen=True)
+class UnitJob:
+    """One unit's inputs for one step.
+
+    ``params``: for a matrix algorithm the parameters as the user gave them (DTensors stay
+    DTensors: their global shape and placement matter); for an element-wise one the flat
+    segments of the local tensors being updated. ``grads`` match ``params`` (local tensors;
+    flat segments for element-wise units). ``state[k][i]`` is state key ``k`` of item ``i``,
+    local, already on the device (a staging view when the state is streamed)."""
+
+    group: int
+    hyper: Hyper
+    step: int  # the group's step count, this step included
+    backend: str
+    mesh: Mesh
+    params: list[Tensor]
+    grads: list[Tensor]
+    state: list[list[Tensor]]
+
+
+class Algorithm:
+    """Base of the per-unit updates. ``elementwise`` algorithms may see a parameter cut into
+    segments anywhere; the others always get whole parameters, batched by shape."""
+
+    name: str = ""
+    elementwise: bool = True
+
+    def __init__(self, state_keys: tuple[str, ...]):
+        self.state_keys = tuple(state_keys)
+
+    def update(self, job: UnitJob) -> Iterator[None] | None:
+        """Update the unit's weights and state in place. A generator (yielding while a
+        collective is in flight, dion's pattern) or a plain function returning None."""
+        raise NotImplementedError
