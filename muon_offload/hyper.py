@@ -166,6 +166,27 @@ def check_grad(param: Tensor, group_index: int) -> None:
         )
 
 
+def step_work(param_groups: list[dict]) -> tuple[list[tuple[int, Tensor]], torch.device | None]:
+    """The (group index, parameter) pairs that have a gradient this step, checked, and the
+    one device they are on (None when no parameter has a gradient)."""
+    work, devices = [], set()
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            check_grad(p, gi)
+            local_param = getattr(p, "_local_tensor", p)
+            if not local_param.is_contiguous():
+                raise ValueError(
+                    f"{_where(gi, p)}: parameters must be contiguous to be updated in place"
+                )
+            devices.add(local_param.device)
+            work.append((gi, p))
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    return work, (devices.pop() if devices else None)
+
+
 def matrix_view_shape(shape: torch.Size, flatten: bool) -> tuple[int, int]:
     """The [m, n] of the matrices a muon parameter is orthogonalized as."""
     if flatten:

@@ -5,11 +5,15 @@
 - ``planner.py``: pure Python; cuts a step into units and chunks of ``chunk_bytes``.
 - ``scheduler.py``: owns the side streams, events and staging ring; load, update, store.
 - ``state.py`` / ``host_slabs.py``: where state lives; pinned host slabs allocated once.
+- ``settings.py``: the constructor arguments, checked.
+- ``chunks.py``: one chunk's state in order, its units run as tasks.
+- ``introspect.py``: the small surface tools read (host bytes, staging, timeline).
 - ``checkpoint.py``: ``load_state_dict``'s checks and copies.
 - ``interrupt.py``: what a step stopped by an exception updated (``StepInterrupted``).
 - ``dispatch.py``: the fused Triton kernels on CUDA, their torch references elsewhere.
 """
 
-from .optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_RESIDENT_CHUNK_BYTES, ChunkedOptimizer
+from .optimizer import ChunkedOptimizer
+from .settings import DEFAULT_CHUNK_BYTES, DEFAULT_RESIDENT_CHUNK_BYTES
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_RESIDENT_CHUNK_BYTES", "ChunkedOptimizer"]

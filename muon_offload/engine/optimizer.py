@@ -15,9 +15,8 @@ say how a group reads (``_read_hyper``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -31,35 +30,24 @@ from ..distributed import (
     local,
     placement_of,
     resolve_mesh,
-    run_tasks,
 )
-from ..hyper import Hyper, check_grad
-from . import checkpoint, dispatch
-from .algorithm import Algorithm, UnitJob
+from ..hyper import Hyper, step_work
+from . import checkpoint
+from .algorithm import Algorithm
+from .chunks import StepContext, chunk_state, run_chunk
 from .interrupt import interrupted
-from .planner import MuonUnit, ParamInfo, Plan, plan_step, unit_params
+from .introspect import ToolsSurface
+from .planner import ParamInfo, Plan, plan_step, unit_params
 from .scheduler import StreamScheduler, Transfer, plan_transfer
+from .settings import Settings, check_positive_int
 from .state import NewState, StateStore
 
 log = logging.getLogger(__name__)
 
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
-# The fastest offloaded step for fp32 state in the chunk-size sweep on the H200, within 1% of
-# the best for bf16 (docs/benchmarks.md, "Choosing chunk_bytes").
-DEFAULT_CHUNK_BYTES = 128 << 20
-# Resident state crosses no bus: its chunks only set how many matrices share a batch and a
-# launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
-# is the orthogonalizer's workspace, which scales with the batch.
-DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
 
-
-def check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-class ChunkedOptimizer(Optimizer):
+class ChunkedOptimizer(ToolsSurface, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -80,31 +68,20 @@ class ChunkedOptimizer(Optimizer):
     ):
         self._mesh = resolve_mesh(distributed_mesh)
         self._group_meshes: dict[int, Mesh] = {}
-        if chunk_bytes is None:
-            chunk_bytes = DEFAULT_CHUNK_BYTES
-        check_positive_int("chunk_bytes", chunk_bytes)
-        if resident_chunk_bytes is None:
-            resident_chunk_bytes = max(chunk_bytes, DEFAULT_RESIDENT_CHUNK_BYTES)
-        check_positive_int("resident_chunk_bytes", resident_chunk_bytes)
-        if resident_bytes is not None and (
-            isinstance(resident_bytes, bool)
-            or not isinstance(resident_bytes, int)
-            or resident_bytes < 0
-        ):
-            raise ValueError(f"resident_bytes must be an int >= 0 or None, got {resident_bytes!r}")
-        if state_dtype not in (None, torch.float32, torch.bfloat16):
-            raise ValueError(
-                f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}"
-            )
-        if backend not in dispatch.BACKENDS:
-            raise ValueError(f"backend must be one of {dispatch.BACKENDS}, got {backend!r}")
-        self.offload = bool(offload)
-        self.chunk_bytes = chunk_bytes
-        self.resident_chunk_bytes = resident_chunk_bytes
-        # Without offload everything is resident; with it, resident_bytes of state stay.
-        self.resident_bytes = resident_bytes if self.offload else None
-        self.state_dtype = state_dtype
-        self.backend = backend
+        settings = Settings.check(
+            offload=offload,
+            chunk_bytes=chunk_bytes,
+            resident_bytes=resident_bytes,
+            resident_chunk_bytes=resident_chunk_bytes,
+            state_dtype=state_dtype,
+            backend=backend,
+        )
+        self.offload = settings.offload
+        self.chunk_bytes = settings.chunk_bytes
+        self.resident_chunk_bytes = settings.resident_chunk_bytes
+        self.resident_bytes = settings.resident_bytes
+        self.state_dtype = settings.state_dtype
+        self.backend = settings.backend
         self._plans: dict[tuple, tuple[Plan, list[Transfer | None]]] = {}
         self._store = StateStore()
         self._scheduler: StreamScheduler | None = None
@@ -282,11 +259,9 @@ class ChunkedOptimizer(Optimizer):
             if p not in self._oversized_logged:
                 self._oversized_logged.add(p)
                 log.warning(
-                    "param group %d: a parameter of shape %s has more state than "
-                    "chunk_bytes=%d; it is streamed as a chunk of its own",
-                    gi,
-                    tuple(p.shape),
-                    self.chunk_bytes,
+                    "param group %d: a parameter of shape %s has more state than chunk_bytes=%d;"
+                    " it is streamed as a chunk of its own",
+                    *(gi, tuple(p.shape), self.chunk_bytes),
                 )
         transfers = [
             None if chunk.resident else plan_transfer(self._chunk_state(chunk, work))
@@ -295,46 +270,14 @@ class ChunkedOptimizer(Optimizer):
         self._plans[key] = (plan, transfers)
         return plan, transfers
 
-    def _unit_items(self, unit, work) -> list[tuple[Tensor, slice | None]]:
-        """(parameter, flat element range or None for the whole) of each item of a unit."""
-        if isinstance(unit, MuonUnit):
-            return [(work[i][1], None) for i in unit.params]
-        return [(work[s.param][1], slice(s.start, s.stop)) for s in unit.segments]
-
     def _chunk_state(self, chunk, work) -> list[Tensor]:
-        """The state tensors a chunk updates: unit by unit, item by item, key by key (the
-        order state is allocated in, so adjacent tensors merge into one copy)."""
-        out = []
-        for unit in chunk.units:
-            keys = self._state_keys(unit.algorithm)
-            for p, span in self._unit_items(unit, work):
-                for key in keys:
-                    t = local(self.state[p][key])
-                    out.append(t if span is None else t.view(-1)[span])
-        return out
+        return chunk_state(self.state, chunk, work, self.algorithms)
 
     # ------------------------------------------------------------------- step
 
     def _check_step(self) -> tuple[list[Hyper], list[tuple[int, Tensor]], torch.device | None]:
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
-        work = []
-        devices = set()
-        for gi, p in self._params():
-            if p.grad is None:
-                continue
-            check_grad(p, gi)
-            if not local(p).is_contiguous():
-                raise ValueError(
-                    f"param group {gi} (parameter of shape {tuple(p.shape)}): parameters must "
-                    "be contiguous to be updated in place"
-                )
-            devices.add(local(p).device)
-            work.append((gi, p))
-        if len(devices) > 1:
-            raise ValueError(
-                f"all parameters must be on one device, got {sorted(map(str, devices))}"
-            )
-        device = devices.pop() if devices else None
+        work, device = step_work(self.param_groups)
         if device is not None and self.offload and device.type != "cuda":
             if torch.cuda.is_available():
                 raise ValueError(
@@ -365,8 +308,12 @@ class ChunkedOptimizer(Optimizer):
         steps = [g["step"] for g in self.param_groups]
         finished: list[list[int]] = [[] for _ in plan.chunks]  # unit indices done, per chunk
 
+        ctx = StepContext(
+            self.state, work, hypers, steps, self.algorithms, self.backend, self._mesh_of
+        )
+
         def update(i: int, views: list[Tensor] | None) -> None:
-            self._update_chunk(plan.chunks[i], work, hypers, steps, views, finished[i])
+            run_chunk(ctx, plan.chunks[i], views, finished[i])
 
         try:
             self._scheduler.run(transfers, update)
@@ -374,77 +321,7 @@ class ChunkedOptimizer(Optimizer):
             raise interrupted(plan, work, finished, err, self.param_groups) from err
         return loss
 
-    def _update_chunk(self, chunk, work, hypers, steps, views, done: list[int]) -> None:
-        """Run every unit of a chunk on its state (``views``: the staging copies of a
-        streamed chunk; None: resident state, updated in place). Units run as dion-style
-        tasks, so one unit's collective is in flight while the next computes; the planner
-        puts matrix units first, in the same order on every rank."""
-        tensors = views if views is not None else self._chunk_state(chunk, work)
-        spans = self._unit_spans(chunk)
-
-        def task(k: int):
-            unit = chunk.units[k]
-            items = self._unit_items(unit, work)
-            algorithm = self.algorithms[unit.algorithm]
-            nkeys = len(algorithm.state_keys)
-            state = tensors[slice(*spans[k])]
-            if algorithm.elementwise:
-                params = [local(p).view(-1)[span] for p, span in items]
-                grads = [local(p.grad).reshape(-1)[span] for p, span in items]
-            else:
-                params = [p for p, _ in items]
-                grads = [local(p.grad) for p, _ in items]
-            job = UnitJob(
-                group=unit.group,
-                hyper=hypers[unit.group],
-                step=steps[unit.group],
-                backend=self.backend,
-                mesh=self._mesh_of(unit.group),
-                params=params,
-                grads=grads,
-                state=[state[j::nkeys] for j in range(nkeys)],
-            )
-            running = algorithm.update(job)
-            if running is not None:
-                yield from running
-            done.append(k)
-
-        try:
-            run_tasks(task(k) for k in range(len(chunk.units)))
-        except BaseException:
-            if views is not None:
-                # The chunk will not be stored: keep what its finished units computed, and
-                # the host's (untouched) state for the rest.
-                host = self._chunk_state(chunk, work)
-                for k in done:
-                    for j in range(*spans[k]):
-                        host[j].copy_(views[j])
-            raise
-
-    def _unit_spans(self, chunk) -> list[tuple[int, int]]:
-        """Each unit's range in the chunk's state list (``_chunk_state`` order)."""
-        spans, start = [], 0
-        for unit in chunk.units:
-            count = len(unit_params(unit)) * len(self._state_keys(unit.algorithm))
-            spans.append((start, start + count))
-            start += count
-        return spans
-
-    # ------------------------------------------------ what tools read and set
-
-    @property
-    def host_state_bytes(self) -> int:
-        """Bytes of host memory (pinned where a GPU exists) held for streamed state."""
-        return self._host.nbytes if self._host is not None else 0
-
-    def host_buffers(self) -> list[Tensor]:
-        """The host buffers (uint8) that hold streamed state, for reading it all at once."""
-        return list(self._host.slabs) if self._host is not None else []
-
-    @property
-    def staging_bytes(self) -> int:
-        """Bytes of the device staging ring (0 before the first offloaded step)."""
-        return self._scheduler.staging_bytes if self._scheduler is not None else 0
+    # ------------------------------------------------------------- tools
 
     def reconfigure(
         self, chunk_bytes: int | None = None, resident_chunk_bytes: int | None = None
@@ -456,32 +333,7 @@ class ChunkedOptimizer(Optimizer):
             ("resident_chunk_bytes", resident_chunk_bytes),
         ):
             if value is not None:
-                check_positive_int(name, value)
-                setattr(self, name, value)
+                setattr(self, name, check_positive_int(name, value))
         self._synchronize()
         self._scheduler = None
         self._plans.clear()
-
-    @contextlib.contextmanager
-    def timeline(self) -> Iterator[list[dict]]:
-        """Record the chunk stages of the steps run inside the block::
-
-            with opt.timeline() as rows:
-                opt.step()
-
-        ``rows`` is filled on exit: ``{"chunk", "stage", "start_ms", "end_ms"}`` per chunk and
-        stage (``load``, ``update``, ``store``), ms from the first start: CUDA events on each
-        stream on a GPU; on the CPU the stages run one after another."""
-        rows: list[dict] = []
-        marks: list = []
-        self._timeline_marks = marks  # step() hands it to the scheduler
-        try:
-            yield rows
-        finally:
-            self._timeline_marks = None
-            sched = self._scheduler
-            if sched is not None:
-                sched.timeline = None
-                if sched.cuda:
-                    torch.cuda.synchronize(sched.device)
-                rows.extend(sched.timeline_rows(marks))

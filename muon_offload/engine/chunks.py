@@ -1,0 +1,112 @@
+"""Running one chunk: its state tensors in order, and its units as tasks.
+
+A chunk's state list runs unit by unit, item by item (parameter or segment), key by key: the
+order state is allocated in (``state.py``), so neighbours in the list are neighbours in the
+host slabs and load as one copy (``scheduler.plan_transfer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ..distributed import Mesh, local, run_tasks
+from ..hyper import Hyper
+from .algorithm import Algorithm, UnitJob
+from .planner import Chunk, MuonUnit, Unit, unit_params
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every chunk of one step reads."""
+
+    state: dict  # the optimizer's state: parameter -> {key: tensor}
+    work: list[tuple[int, Tensor]]  # (group index, parameter) of each planned parameter
+    hypers: Sequence[Hyper]
+    steps: Sequence[int]  # each group's step count, this step included
+    algorithms: dict[str, Algorithm]
+    backend: str
+    mesh_of: Callable[[int], Mesh]
+
+
+def unit_items(unit: Unit, work) -> list[tuple[Tensor, slice | None]]:
+    """(parameter, flat element range, or None for the whole) of each item of a unit."""
+    if isinstance(unit, MuonUnit):
+        return [(work[i][1], None) for i in unit.params]
+    return [(work[s.param][1], slice(s.start, s.stop)) for s in unit.segments]
+
+
+def chunk_state(state: dict, chunk: Chunk, work, algorithms: dict[str, Algorithm]) -> list[Tensor]:
+    """The local state tensors a chunk updates, in the chunk's order."""
+    out = []
+    for unit in chunk.units:
+        keys = algorithms[unit.algorithm].state_keys
+        for p, span in unit_items(unit, work):
+            for key in keys:
+                t = local(state[p][key])
+                out.append(t if span is None else t.view(-1)[span])
+    return out
+
+
+def unit_spans(chunk: Chunk, algorithms: dict[str, Algorithm]) -> list[tuple[int, int]]:
+    """Each unit's range in the chunk's state list."""
+    spans, start = [], 0
+    for unit in chunk.units:
+        count = len(unit_params(unit)) * len(algorithms[unit.algorithm].state_keys)
+        spans.append((start, start + count))
+        start += count
+    return spans
+
+
+def _job(ctx: StepContext, unit: Unit, state: list[Tensor]) -> UnitJob:
+    algorithm = ctx.algorithms[unit.algorithm]
+    items = unit_items(unit, ctx.work)
+    nkeys = len(algorithm.state_keys)
+    if algorithm.elementwise:
+        params = [local(p).view(-1)[span] for p, span in items]
+        grads = [local(p.grad).reshape(-1)[span] for p, span in items]
+    else:
+        params = [p for p, _ in items]
+        grads = [local(p.grad) for p, _ in items]
+    return UnitJob(
+        group=unit.group,
+        hyper=ctx.hypers[unit.group],
+        step=ctx.steps[unit.group],
+        backend=ctx.backend,
+        mesh=ctx.mesh_of(unit.group),
+        params=params,
+        grads=grads,
+        state=[state[j::nkeys] for j in range(nkeys)],
+    )
+
+
+def run_chunk(ctx: StepContext, chunk: Chunk, views: list[Tensor] | None, done: list[int]) -> None:
+    """Run every unit of a chunk on its state (``views``: the staging copies of a streamed
+    chunk; None: resident state, updated in place), appending each finished unit's index to
+    ``done``. Units run as dion-style tasks, so one unit's collective is in flight while the
+    next computes; the planner puts matrix units first, in the same order on every rank."""
+    tensors = (
+        views if views is not None else chunk_state(ctx.state, chunk, ctx.work, ctx.algorithms)
+    )
+    spans = unit_spans(chunk, ctx.algorithms)
+
+    def task(k: int):
+        unit = chunk.units[k]
+        running = ctx.algorithms[unit.algorithm].update(_job(ctx, unit, tensors[slice(*spans[k])]))
+        if running is not None:
+            yield from running
+        done.append(k)
+
+    try:
+        run_tasks(task(k) for k in range(len(chunk.units)))
+    except BaseException:
+        if views is not None:
+            # The chunk will not be stored: keep what its finished units computed, and the
+            # host's (untouched) state for the rest.
+            host = chunk_state(ctx.state, chunk, ctx.work, ctx.algorithms)
+            for k in done:
+                for j in range(*spans[k]):
+                    host[j].copy_(views[j])
+        raise

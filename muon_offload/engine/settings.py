@@ -1,0 +1,77 @@
+"""The engine's constructor arguments, checked once, before anything is built."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from . import dispatch
+
+# The fastest offloaded step for fp32 state in the chunk-size sweep on the H200, within 1% of
+# the best for bf16 (docs/benchmarks.md, "Choosing chunk_bytes").
+DEFAULT_CHUNK_BYTES = 128 << 20
+# Resident state crosses no bus: its chunks only set how many matrices share a batch and a
+# launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
+# is the orthogonalizer's workspace, which scales with the batch.
+DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
+STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+
+
+def as_int(name: str, value, minimum: int, what: str) -> int:
+    """An integral number (int, numpy integer, ...; never bool or float) >= minimum."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return number
+
+
+def check_positive_int(name: str, value) -> int:
+    return as_int(name, value, 1, "a positive int")
+
+
+@dataclass(frozen=True)
+class Settings:
+    offload: bool
+    chunk_bytes: int
+    resident_chunk_bytes: int
+    resident_bytes: int | None  # None: everything resident (offload off)
+    state_dtype: torch.dtype | None
+    backend: str
+
+    @classmethod
+    def check(
+        cls, *, offload, chunk_bytes, resident_bytes, resident_chunk_bytes, state_dtype, backend
+    ) -> Settings:
+        if not isinstance(offload, bool):
+            # "no" or 0.0 would read as a truth value; say what is wanted instead.
+            raise ValueError(f"offload must be True or False, got {offload!r}")
+        if chunk_bytes is None:
+            chunk_bytes = DEFAULT_CHUNK_BYTES
+        chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
+        if resident_chunk_bytes is None:
+            resident_chunk_bytes = max(chunk_bytes, DEFAULT_RESIDENT_CHUNK_BYTES)
+        resident_chunk_bytes = check_positive_int("resident_chunk_bytes", resident_chunk_bytes)
+        if resident_bytes is not None:
+            resident_bytes = as_int("resident_bytes", resident_bytes, 0, "an int >= 0 or None")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}"
+            )
+        if backend not in dispatch.BACKENDS:
+            raise ValueError(f"backend must be one of {dispatch.BACKENDS}, got {backend!r}")
+        return cls(
+            offload=offload,
+            chunk_bytes=chunk_bytes,
+            resident_chunk_bytes=resident_chunk_bytes,
+            # Without offload everything is resident; with it, resident_bytes of state stay.
+            resident_bytes=resident_bytes if offload else None,
+            state_dtype=state_dtype,
+            backend=backend,
+        )
