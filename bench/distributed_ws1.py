@@ -9,8 +9,6 @@ Resident and offloaded (fp32 state): the three optimizers step in turn, round af
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import statistics
@@ -23,29 +21,27 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from muon_offload import Muon
-from muon_offload.workloads import materialize, qwen3_30b_a3b_ep8_rank
+from muon_offload.tools import options
+from muon_offload.tools.bench import machine
+from muon_offload.tools.bench.modes import ADAMW_LR, MUON_LR
+from muon_offload.tools.bench.timing import Clock, rotated
+from muon_offload.tools.workloads import materialize, qwen3_30b_a3b_ep8_rank
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def interleaved(opts: dict, where: str, warmup: int, rounds: int) -> dict:
-    """Step every optimizer once per round, in an order rotated each round, so that drifts
-    of the card (clocks, temperature) and of the host fall on all modes alike; the overhead
-    is the median over rounds of each mode's time over plain's in the same round."""
+def interleaved(opts: dict, clock: Clock, where: str, warmup: int, rounds: int) -> dict:
+    """Step every optimizer once per round, in an order rotated each round; the overhead is
+    the median over rounds of each mode's time over plain's in the same round."""
     for _ in range(warmup):
         for opt in opts.values():
             opt.step()
     names = list(opts)
     times = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            sync()
+        for name in rotated(names, r):
+            clock.sync()
             start = time.perf_counter()
             opts[name].step()
-            sync()
+            clock.sync()
             times[name].append(time.perf_counter() - start)
     out = {}
     for name in names:
@@ -61,11 +57,11 @@ def interleaved(opts: dict, where: str, warmup: int, rounds: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=21)
+    ap = options.parser("distributed_ws1.py", __doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="the JSON file to write")
+    ap.add_argument("--layers", type=int, default=48, help="first N layers of the workload")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds")
+    ap.add_argument("--rounds", type=int, default=21, help="timed rounds")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
@@ -82,7 +78,7 @@ def main() -> int:
     def groups(ps):
         return [
             dict(params=[ps[i] for i in muon_idx]),
-            dict(params=[ps[i] for i in adamw_idx], algorithm="adamw", lr=1e-3),
+            dict(params=[ps[i] for i in adamw_idx], algorithm="adamw", lr=ADAMW_LR),
         ]
 
     dtensors = []
@@ -95,7 +91,7 @@ def main() -> int:
         "info": {
             "card": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": machine.now(),
             "args": vars(args),
         }
     }
@@ -107,8 +103,10 @@ def main() -> int:
     for offload in (False, True):
         where = "offload" if offload else "resident"
         print(f"  {where}: {', '.join(m[0] for m in modes)} ...", flush=True)
-        opts = {name: Muon(groups(ps), lr=0.01, offload=offload, **kw) for name, ps, kw in modes}
-        results.update(interleaved(opts, where, args.warmup, args.rounds))
+        opts = {name: Muon(groups(ps), lr=MUON_LR, offload=offload, **kw) for name, ps, kw in modes}
+        results.update(
+            interleaved(opts, Clock(torch.device(device)), where, args.warmup, args.rounds)
+        )
         del opts
         if device == "cuda":
             torch.cuda.empty_cache()

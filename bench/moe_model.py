@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from muon_offload.collectives import local
+from muon_offload.distributed import local
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,17 @@ import sys
 import time
 from collections import defaultdict
 
-# dion eager, as ANCHORS.md measured it (its compiled step never finished on the H200). Read
-# when torch is imported; setting torch._dynamo.config.disable later breaks dion's
-# fullgraph=True functions instead of running them eagerly.
+# dion eager: its compiled step never finished a first step on the H200 (docs/benchmarks.md,
+# "Workloads"). Read when torch is imported; setting torch._dynamo.config.disable later
+# breaks dion's fullgraph=True functions instead of running them eagerly.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile
 
 from muon_offload import Muon
-from muon_offload.bench import build
-from muon_offload.workloads import qwen3_30b_a3b_ep8_rank
+from muon_offload.tools.bench.modes import build
+from muon_offload.tools.workloads import qwen3_30b_a3b_ep8_rank
 
 
 def profiled(opt, steps: int) -> dict:

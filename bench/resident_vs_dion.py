@@ -14,29 +14,30 @@ that rotates by round; the figure is the median over rounds of ours / dion's in 
 round. ``--chunk-mib`` steps ours at several chunk sizes (in a resident step the chunk size
 only sets how many same-shape matrices are orthogonalized together). Each step's SM clock is
 recorded where NVML answers (``torch.cuda.clock_rate``), and the host's time to return from
-``step()``. dion runs eagerly (torch.compile off), as ANCHORS.md measured it.
+``step()``. dion runs eagerly (torch.compile off), as in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
 import time
 
-# dion eager, as ANCHORS.md measured it (its compiled step never finished on the H200). Read
-# when torch is imported; setting torch._dynamo.config.disable later breaks dion's
-# fullgraph=True functions instead of running them eagerly.
+# dion eager: its compiled step never finished a first step on the H200 (docs/benchmarks.md,
+# "Workloads"). Read when torch is imported; setting torch._dynamo.config.disable later
+# breaks dion's fullgraph=True functions instead of running them eagerly.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from muon_offload import Muon
-from muon_offload.bench import build
-from muon_offload.workloads import WORKLOADS, workload
+from muon_offload import Muon  # noqa: E402
+from muon_offload.tools import options  # noqa: E402
+from muon_offload.tools.bench import machine  # noqa: E402
+from muon_offload.tools.bench.modes import MUON_LR, build  # noqa: E402
+from muon_offload.tools.bench.timing import Clock, rotated  # noqa: E402
+from muon_offload.tools.workloads import WORKLOADS, workload  # noqa: E402
 
 
 def sm_clock_mhz() -> int | None:
@@ -46,38 +47,27 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
-def triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed_step(opt) -> dict:
+def timed_step(opt, clock: Clock) -> dict:
     """The step's time, and the host's: when ``step()`` returned, before the device caught
     up. A host time close to the step's means the step is bound by launches, not kernels."""
-    sync()
+    clock.sync()
     start = time.perf_counter()
     opt.step()
     host = time.perf_counter() - start
-    sync()
+    clock.sync()
     return {"s": time.perf_counter() - start, "host_s": host, "sm_mhz": sm_clock_mhz()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = options.parser("resident_vs_dion.py", __doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--dion-path", required=True, help="folder holding the dion package")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--workload", default="qwen3-30b-a3b-ep8-rank", choices=sorted(WORKLOADS))
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--out", required=True, help="the JSON file to write")
+    ap.add_argument(
+        "--workload", default="qwen3-30b-a3b-ep8-rank", choices=sorted(WORKLOADS), help="shapes"
+    )
+    ap.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds")
+    ap.add_argument("--rounds", type=int, default=25, help="timed rounds")
     ap.add_argument(
         "--chunk-mib",
         type=int,
@@ -94,23 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     import dion
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    clock = Clock(device)
     groups, _, _ = build(workload(args.workload, args.layers), device)
     opts = {}
     for mib in args.chunk_mib or [None]:
         name = "ours" if mib is None else f"ours_{mib}mib"
-        opts[name] = Muon(groups, lr=0.01, chunk_bytes=None if mib is None else mib << 20)
+        opts[name] = Muon(groups, lr=MUON_LR, chunk_bytes=None if mib is None else mib << 20)
     ours = list(opts)
-    opts["dion"] = dion.Muon(groups, lr=0.01)
+    opts["dion"] = dion.Muon(groups, lr=MUON_LR)
     for _ in range(args.warmup):
         for opt in opts.values():
             opt.step()
     steps: dict[str, list[dict]] = {name: [] for name in opts}
     for r in range(args.rounds):
-        # Rotate the order so no optimizer always steps first (or right after dion).
-        names = list(opts)
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            steps[name].append(timed_step(opts[name]))
+        # Rotated, so no optimizer always steps first (or right after dion).
+        for name in rotated(list(opts), r):
+            steps[name].append(timed_step(opts[name], clock))
 
     ratios = {
         name: [o["s"] / d["s"] for o, d in zip(steps[name], steps["dion"], strict=True)]
@@ -120,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "info": {
             "card": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
-            "triton": triton_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "triton": machine.triton_version(),
+            "date": machine.now(),
             "args": vars(args),
         },
         "median_ratio_to_dion": {name: statistics.median(r) for name, r in ratios.items()},

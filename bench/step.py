@@ -2,6 +2,6 @@
 
 import sys
 
-from muon_offload.bench import main
+from muon_offload.tools.bench.command import main
 
 sys.exit(main())

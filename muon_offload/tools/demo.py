@@ -7,13 +7,18 @@ CPU-only machine the same chunked pipeline runs through its CPU path.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 from torch import nn
 
-from .muon import Muon
+from .. import Muon
+from . import options
+
+DESCRIPTION = (
+    "Train a small GPT-like model with offloaded Muon and with resident Muon side by side, "
+    "and show both losses falling together."
+)
 
 
 class TinyGPT(nn.Module):
@@ -67,22 +72,36 @@ def markov_batches(vocab: int, seq: int, batch: int, seed: int):
         yield tokens
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="muon-offload demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def parser():
+    ap = options.parser("muon-offload demo", DESCRIPTION)
+    ap.add_argument("--steps", type=int, default=200, help="training steps")
+    ap.add_argument(
+        "--device",
+        type=options.torch_device,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda where a GPU is available, else cpu)",
+    )
     ap.add_argument(
         "--chunk-bytes",
         type=int,
         default=256 << 10,
-        help="small chunks, so even this model streams in many pieces",
+        help="the offloaded optimizer's chunk size, small so that even this model streams in "
+        "many pieces",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be >= 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda, but no CUDA GPU is available")
+    if args.chunk_bytes < 1:
+        ap.error("--chunk-bytes must be >= 1")
+    if args.device is None:
+        args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    options.check_device(ap, args.device)
+    device = args.device
     vocab, dim, layers, heads, seq, batch = 64, 64, 2, 4, 32, 16
 
     torch.manual_seed(0)
@@ -94,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"device {device}; {sum(p.numel() for p in models[0].parameters()):,} parameters; "
-        f"offloaded chunks of {args.chunk_bytes:,} bytes"
+        f"offloaded chunks of {args.chunk_bytes:,} bytes",
+        flush=True,
     )
-    print(f"{'step':>5} {'loss resident':>14} {'loss offloaded':>15} {'step ms (offl.)':>16}")
     data = markov_batches(vocab, seq, batch, seed=1)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(1, args.steps + 1):
@@ -115,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             elapsed = time.perf_counter() - start
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
+        if step == 1:
+            # After the first step: the optimizer's one-time notices (the CPU path of
+            # offload=True, oversized chunks) are logged in it, so they land above the table.
+            print(
+                f"{'step':>5} {'loss resident':>14} {'loss offloaded':>15} {'step ms (offl.)':>16}"
+            )
         if step == 1 or step % max(1, args.steps // 10) == 0 or step == args.steps:
             print(f"{step:>5} {losses[0]:>14.4f} {losses[1]:>15.4f} {elapsed * 1e3:>16.2f}")
     state_bytes = sum(

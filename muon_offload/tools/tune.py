@@ -8,28 +8,49 @@ stores the winners in the tuning cache (``MUON_OFFLOAD_CACHE_DIR``, else
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 
 import torch
 
-from .workloads import WORKLOADS, workload
+from . import options
+from .workloads import MAX_LAYERS, WORKLOADS, workload
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DESCRIPTION = "Tune the kernels for the shapes of a workload on this GPU."
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="muon-offload tune", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default="qwen3-30b-a3b-ep8-rank", choices=sorted(WORKLOADS))
-    ap.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+def parser():
+    ap = options.parser("muon-offload tune", DESCRIPTION)
+    ap.add_argument(
+        "--workload",
+        default="qwen3-30b-a3b-ep8-rank",
+        choices=sorted(WORKLOADS),
+        help="whose shapes to tune for (docs/benchmarks.md, Workloads)",
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="keep the first N layers (default: all)"
+    )
     ap.add_argument("--batch", type=int, default=8, help="matrices per Muon launch")
-    ap.add_argument("--param-dtype", default="fp32", choices=sorted(DTYPES))
-    ap.add_argument("--grad-dtype", default="fp32", choices=sorted(DTYPES))
-    ap.add_argument("--state-dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--param-dtype", default="fp32", choices=sorted(DTYPES), help="weights")
+    ap.add_argument("--grad-dtype", default="fp32", choices=sorted(DTYPES), help="gradients")
+    ap.add_argument("--state-dtype", default="fp32", choices=sorted(DTYPES), help="state")
     ap.add_argument("--cached", action="store_true", help="report cached choices, time nothing new")
-    ap.add_argument("--json", default=None, help="also write the results to this file")
-    return ap.parse_args(argv)
+    ap.add_argument(
+        "--json", default=None, help="also write the results to this file (default: none)"
+    )
+    return ap
+
+
+def _parse(argv: list[str] | None):
+    ap = parser()
+    args = ap.parse_args(argv)
+    most = MAX_LAYERS[args.workload]
+    if args.layers is not None and not 1 <= args.layers <= (most or args.layers):
+        ap.error(f"--layers must be >= 1 and at most {most}, got {args.layers}")
+    if args.batch < 1:
+        ap.error("--batch must be >= 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("muon-offload tune: needs a CUDA GPU (tuning times kernels on the device)")
         return 2
-    from .kernels import _launch
-    from .kernels.elementwise import adamw_
-    from .kernels.muon import muon_apply_, muon_prep
+    from muon_offload.kernels import _launch
+    from muon_offload.kernels.elementwise import adamw_
+    from muon_offload.kernels.muon import muon_apply_, muon_prep
 
     device = torch.device("cuda")
     p_dt, g_dt, s_dt = (DTYPES[d] for d in (args.param_dtype, args.grad_dtype, args.state_dtype))

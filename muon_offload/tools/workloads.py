@@ -1,9 +1,9 @@
 """Named optimizer workloads: lists of parameter shapes and the algorithm that updates each.
 
 ``qwen3-30b-a3b-ep8-rank`` is one rank's optimizer work when Qwen3-30B-A3B trains on 8 GPUs
-with expert parallelism 8 (the bench workload of ``shared/ANCHORS.md``);
-``llama3-8b-fsdp8-rank`` is one rank's eighth of a dense Llama-3-8B-like model on 8 GPUs;
-``tiny`` is a few small matrices and vectors for CPU runs.
+with expert parallelism 8 (the bench workload); ``llama3-8b-fsdp8-rank`` is one rank's eighth
+of a dense Llama-3-8B-like model on 8 GPUs; ``tiny`` is a few small matrices and vectors for
+CPU runs. docs/benchmarks.md ("Workloads") tables both large ones.
 """
 
 from __future__ import annotations

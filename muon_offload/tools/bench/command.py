@@ -1,0 +1,329 @@
+"""``muon-offload bench``: the optimizer step on a named workload, every mode side by side.
+
+    muon-offload bench [--workload NAME] [--layers N] [--out DIR] [--dion-path DIR]
+
+Modes: ours resident, ours offloaded (fp32 and bf16 state), the all-at-once offload baseline
+(every state tensor to the GPU in one chunk, step, back), dion's ``Muon`` resident and
+all-at-once when dion is importable (eager, in a subprocess), and ``torch.optim.AdamW(fused=True)``
+on AdamW-only workloads. On a GPU it first measures pinned host<->device bandwidth each way
+alone and both at once, and the device-memory copy bandwidth; the transfer floor of an
+offloaded mode is its state bytes over the both-directions bandwidth (each direction moves the
+state once). For each mode: median, min and max step time over the timed steps (after warm-up,
+which includes state creation, pinning and kernel tuning), the peak GPU memory the step adds
+above weights and gradients, and the ratios to the floor and to dion. Also one offloaded step's
+per-chunk timeline, chunk-size sweeps, and every mode at 12 / 24 / 48 layers.
+
+Writes ``bench.json`` and, with matplotlib, ``timeline.png`` and ``state_size.png`` into
+``--out`` (a ``.json`` path names the JSON file; figures go beside it). Without a GPU the
+resident and offloaded modes run through the CPU path (step time only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import options
+from ..workloads import DEFAULT_LAYERS, MAX_LAYERS, WORKLOADS, workload
+from . import machine
+from .dion_runner import dion_commit, find_dion, run_dion
+from .modes import MODE_NAMES, run_modes
+from .progress import Progress
+from .report import add_ratios, table
+from .timing import GIB, STATE_DTYPES, Clock, bandwidths, floor_s
+
+DESCRIPTION = "The optimizer step on a named workload, every mode side by side."
+MEMORY_LAYERS = (12, 24, 48)
+# The tiny workload's state is ~160 KiB: KiB-sized chunks, so its offloaded step streams in
+# several pieces as the real workloads do with the default 128 MiB.
+TINY_CHUNK_BYTES = 32 << 10
+TINY_CHUNK_MIB = (1 / 32, 1 / 16, 1 / 8)
+TINY_MEMORY_LAYERS = (2, 4, 8)  # seconds on a CPU, for CI
+CHUNK_MIB = (32, 64, 128, 512)
+NO_GPU = "no CUDA GPU: nothing crosses PCIe, and peak GPU memory is not measured"
+
+
+def _size(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    cuda = torch.cuda.is_available()
+    ap = options.parser("muon-offload bench", DESCRIPTION)
+    ap.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default=None,
+        help="the parameter shapes to step (docs/benchmarks.md, Workloads); "
+        "default: qwen3-30b-a3b-ep8-rank on a GPU, tiny without one",
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="keep the first N layers (default: all)"
+    )
+    ap.add_argument(
+        "--memory-layers",
+        type=int,
+        nargs="*",
+        default=None,
+        help="layer counts for step time and memory against state size "
+        "(default 12 24 48, capped at the workload's layers; 2 4 8 for tiny)",
+    )
+    ap.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=None,
+        help="chunk size of the offloaded modes (default: the optimizer's; "
+        f"{TINY_CHUNK_BYTES} for tiny)",
+    )
+    ap.add_argument(
+        "--chunk-mib",
+        type=_size,
+        nargs="*",
+        default=None,
+        help="chunk sizes to sweep, MiB (default 32 64 128 512; KiB-sized for tiny)",
+    )
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before each mode")
+    ap.add_argument("--steps", type=int, default=7, help="timed steps per mode")
+    ap.add_argument(
+        "--device",
+        default="cuda" if cuda else "cpu",
+        choices=("cuda", "cpu"),
+        help="where parameters and gradients live",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: 1 for tiny on the CPU, else torch's)",
+    )
+    ap.add_argument(
+        "--offload-only", action="store_true", help="only the offloaded modes (needs a GPU)"
+    )
+    ap.add_argument(
+        "--dion-path",
+        default=None,
+        help="folder holding the dion package (default: an importable dion)",
+    )
+    ap.add_argument("--no-dion", action="store_true", help="leave dion out")
+    ap.add_argument("--out", default="out/bench", help="folder for bench.json and the figures")
+    return ap
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.workload is None:
+        args.workload = "qwen3-30b-a3b-ep8-rank" if cuda else "tiny"
+    if args.device == "cuda" and not cuda:
+        ap.error("--device cuda, but no CUDA GPU is available")
+    if args.offload_only and args.device != "cuda":
+        ap.error(
+            "--offload-only measures offload to a GPU, and there is no CUDA GPU here"
+            if not cuda
+            else "--offload-only needs --device cuda"
+        )
+    most = MAX_LAYERS[args.workload]
+    if args.layers is None:
+        args.layers = DEFAULT_LAYERS[args.workload]
+    for flag, counts in (("--layers", [args.layers]), ("--memory-layers", args.memory_layers)):
+        for n in counts or []:
+            if n < 1:
+                ap.error(f"{flag} must be >= 1, got {n}")
+            if most is not None and n > most:
+                ap.error(f"{flag}: {args.workload} has {most} layers, got {n}")
+    tiny = args.workload == "tiny"
+    if args.memory_layers is None:
+        cap = most or max(MEMORY_LAYERS)
+        layers = TINY_MEMORY_LAYERS if tiny else MEMORY_LAYERS
+        args.memory_layers = sorted({min(n, cap) for n in layers})
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1 (the first step creates the state)")
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.chunk_bytes is not None and args.chunk_bytes < 1:
+        ap.error("--chunk-bytes must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        ap.error("--threads must be >= 1")
+    if args.threads is None and tiny and args.device == "cpu":
+        # Too small to split across threads: 1.4 ms a step on one, 0.37 s on two busy cores.
+        args.threads = 1
+    if args.chunk_bytes is None and tiny:
+        args.chunk_bytes = TINY_CHUNK_BYTES
+    if args.chunk_mib is None:
+        args.chunk_mib = list(TINY_CHUNK_MIB if tiny else CHUNK_MIB)
+    args.dion_root, args.dion_note = None, "left out (--no-dion)"
+    if not args.no_dion:
+        try:
+            args.dion_root, args.dion_note = find_dion(args.dion_path)
+        except FileNotFoundError as e:
+            ap.error(str(e))
+    return args
+
+
+def cpu_warning(args) -> str | None:
+    """A warning where a GPU-sized workload is about to run on the CPU (None otherwise)."""
+    if args.device != "cpu" or args.workload == "tiny":
+        return None
+    specs = workload(args.workload, args.layers)
+    state = sum(s.numel * (4 if s.algorithm == "muon" else 8) for s in specs)
+    return (
+        f"muon-offload bench: warning: {args.workload} ({args.layers} layers, "
+        f"{state / GIB:.2f} GiB of fp32 state) is sized for a GPU; on the CPU each mode's steps "
+        "take minutes or more (--workload tiny runs in seconds)"
+    )
+
+
+def environment(args) -> dict:
+    device = torch.device(args.device)
+    return {
+        "card": machine.card(device),
+        "device": args.device,
+        "driver": machine.driver_version(),
+        **machine.versions(),
+        "cpu_threads": torch.get_num_threads(),
+        "dion_commit": dion_commit(args.dion_root) if args.dion_root else None,
+        "date": machine.now(),
+        "args": dict(vars(args)),
+    }
+
+
+def ratios(results: dict) -> None:
+    """Each mode's median over its transfer floor and over dion's resident median."""
+    floor = results["floor"]
+    fp32, bf16 = floor["fp32"]["floor_s"], floor["bf16"]["floor_s"]
+    floors = {
+        "ours_offload_fp32": fp32,
+        "all_at_once": fp32,
+        "ours_offload_bf16": bf16,
+        "dion_all_at_once": fp32,
+    }
+    dion = results.get("dion_resident", {})
+    modes = [(k, results[k]) for k in MODE_NAMES if "median_s" in results.get(k, {})]
+    if "median_s" in dion.get("all_at_once", {}):
+        modes.append(("dion_all_at_once", dion["all_at_once"]))
+    add_ratios(modes, floors, dion)
+
+
+def out_paths(out: str) -> tuple[Path, Path, Path]:
+    path = Path(out)
+    if path.suffix == ".json":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return (
+            path,
+            path.with_name(path.stem + "-timeline.png"),
+            path.with_name(path.stem + "-state_size.png"),
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    return path / "bench.json", path / "timeline.png", path / "state_size.png"
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    clock = Clock(device)
+    use_dion = args.dion_root is not None
+    others = [n for n in args.memory_layers if n != args.layers]
+    stages = 7 + 2 * len(args.chunk_mib) + 4 * len(others) + use_dion + (device.type == "cuda")
+    progress = Progress(stages)
+    results: dict = {"info": environment(args)}
+    if clock.cuda:
+        progress("bandwidths")
+        results["bandwidth_gbps"] = bandwidths()
+        clock.free()
+    else:
+        results["bandwidth_gbps"] = None
+        results["bandwidth_note"] = NO_GPU
+
+    def stage(layers):
+        return lambda name: progress(f"{args.workload} {layers} layers: {name}")
+
+    specs = workload(args.workload, args.layers)
+    main = run_modes(
+        specs, args, clock, stage(args.layers), warmup=args.warmup, steps=args.steps, full=True
+    )
+    state = main.pop("state_gib") * GIB
+    bw = results["bandwidth_gbps"]
+    results["floor"] = {
+        name: {"state_gib": state * k / GIB, "floor_s": floor_s(state * k, bw)}
+        for name, k in STATE_DTYPES
+    }
+    if not bw:
+        results["floor_note"] = NO_GPU
+    results.update(main)
+
+    memory = {}
+    for layers in args.memory_layers:
+        if layers == args.layers:
+            modes = {k: main[k] for k in MODE_NAMES if k in main}
+            memory[layers] = {"state_gib": state / GIB, "modes": modes}
+        else:
+            r = run_modes(
+                workload(args.workload, layers),
+                args,
+                clock,
+                stage(layers),
+                warmup=2,
+                steps=3,
+                full=False,
+            )
+            memory[layers] = {"state_gib": r.pop("state_gib"), "modes": r}
+        # The offloaded fp32 figures at the top level, where earlier runs kept them.
+        memory[layers].update(memory[layers]["modes"]["ours_offload_fp32"])
+    results["memory_by_layers"] = memory
+
+    if use_dion and not args.offload_only:
+        progress("dion (eager, subprocess)")
+        runs = [dict(layers=args.layers, warmup=args.warmup, steps=args.steps)]
+        runs += [dict(layers=n, warmup=2, steps=3) for n in others]
+        dion = run_dion(args, args.dion_root, runs)
+        results["dion_resident"] = dict(dion[0], commit=results["info"]["dion_commit"])
+        for n, r in zip(others, dion[1:], strict=True):
+            memory[n]["modes"]["dion_resident"] = r
+        if args.layers in memory:
+            memory[args.layers]["modes"]["dion_resident"] = results["dion_resident"]
+    else:
+        note = "left out (--offload-only)" if use_dion else args.dion_note
+        results["dion_resident"] = {"skipped": note}
+    ratios(results)
+    progress("figures")
+    progress.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    json_path, timeline_png, state_png = out_paths(args.out)
+    warning = cpu_warning(args)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    # The optimizer's notices (CPU path, oversized chunks in a sweep) would interleave with the
+    # progress lines; the JSON and the table say the same.
+    package_log = logging.getLogger("muon_offload")
+    level = package_log.level
+    package_log.setLevel(logging.ERROR)
+    try:
+        results = run(args)
+    finally:
+        package_log.setLevel(level)
+    from .figures import figures
+
+    results["figures"] = figures(results, timeline_png, state_png)
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(table(results))
+    print(f"\nwrote {json_path}" + "".join(f", {p}" for p in results["figures"].get("files", [])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

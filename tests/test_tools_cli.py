@@ -1,0 +1,117 @@
+"""The ``muon-offload`` commands' options and messages: every option's help shows its default,
+bad demo options are usage errors, the CPU-path notice stays above the demo's table, and the
+bench warns before a GPU-sized workload starts on the CPU."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from muon_offload.tools import cli
+from muon_offload.tools.bench import command
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _option_blocks(help_text: str) -> dict[str, str]:
+    """Each option's lines of ``--help``, keyed by the option's first line."""
+    lines = help_text.split("options:", 1)[1].splitlines()
+    blocks: dict[str, str] = {}
+    key = None
+    for line in lines:
+        if re.match(r"^  -", line):
+            key = line.strip()
+            blocks[key] = line
+        elif key is not None and line.startswith("    "):
+            blocks[key] += " " + line.strip()
+    return blocks
+
+
+@pytest.mark.parametrize("name", ["demo", "bench", "tune"])
+def test_every_option_has_help_with_its_default(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([name, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: muon-offload {name}") and "``" not in out
+    blocks = _option_blocks(out)
+    assert len(blocks) >= 4, out
+    for key, text in blocks.items():
+        if key.startswith("-h, --help"):
+            continue
+        assert "default" in text.lower(), f"{name}: {text}"
+
+
+def test_top_level_help(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {c} " in out for c in ("demo", "bench", "tune")) and "``" not in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--device", "foo"], "not a device: 'foo'"),
+        (["--device", "meta"], "runs on cpu or cuda"),
+        (["--chunk-bytes", "0"], "--chunk-bytes must be >= 1"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_demo_argument_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: muon-offload demo") and message in err
+
+
+def test_demo_prints_the_cpu_notice_once_above_its_table():
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        CUDA_VISIBLE_DEVICES="",  # the CPU path, also on a machine with GPUs
+    )
+    cmd = [sys.executable, "-m", "muon_offload.tools.cli", "demo", "--steps", "2"]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("offload=True without CUDA") == 1, proc.stderr
+    # stdout and stderr interleave on a terminal: the notice is logged before the table starts.
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["step"])
+    assert lines[header + 1].split()[0] == "1" and len(lines) == header + 4
+    assert "offload=True" not in proc.stdout
+
+
+class _Stop(Exception):
+    pass
+
+
+def _bench_until_run(monkeypatch, capsys, tmp_path, *args) -> str:
+    """What ``muon-offload bench`` printed to stderr before it started measuring."""
+    seen = {}
+
+    def run(parsed):
+        seen["err"] = capsys.readouterr().err
+        raise _Stop
+
+    monkeypatch.setattr(command, "run", run)
+    with pytest.raises(_Stop):
+        command.main([*args, "--device", "cpu", "--no-dion", "--out", str(tmp_path)])
+    return seen["err"]
+
+
+def test_bench_warns_before_a_gpu_sized_workload_on_the_cpu(monkeypatch, capsys, tmp_path):
+    err = _bench_until_run(
+        monkeypatch, capsys, tmp_path, "--workload", "llama3-8b-fsdp8-rank", "--layers", "1"
+    )
+    assert "warning: llama3-8b-fsdp8-rank (1 layers" in err and "sized for a GPU" in err
+    assert "--workload tiny" in err
+
+
+def test_bench_on_tiny_does_not_warn(monkeypatch, capsys, tmp_path):
+    assert "warning" not in _bench_until_run(monkeypatch, capsys, tmp_path, "--workload", "tiny")
