@@ -3,11 +3,15 @@ offloaded, engine. State keys are torch's (``exp_avg``, ``exp_avg_sq``)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .elementwise import AdamWUpdate
 from .engine import ChunkedOptimizer
 from .hyper import Hyper, read_torch_adamw_hyper
+
+log = logging.getLogger(__name__)
 
 
 class AdamW(ChunkedOptimizer):
@@ -19,6 +23,13 @@ class AdamW(ChunkedOptimizer):
     group's ``step``, which advances once per ``step()`` call. ``offload``, ``chunk_bytes``,
     ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype`` and ``backend`` are as for
     ``Muon``.
+
+    Checkpoints go both ways with ``torch.optim.AdamW``: ``state_dict()`` also carries torch's
+    per-parameter ``step`` (a float32 tensor), and a torch state dict (no group ``step``) sets
+    each group's step from its parameters' ``step``. torch counts steps per parameter, this
+    optimizer per group: where a group's parameters saved different counts, the largest is
+    taken for the whole group (with a warning), so the bias correction of the others differs
+    from torch's.
     """
 
     algorithms = {"adamw": AdamWUpdate(("exp_avg", "exp_avg_sq"))}
@@ -76,3 +87,48 @@ class AdamW(ChunkedOptimizer):
                 f"got {group['algorithm']!r}"
             )
         return read_torch_adamw_hyper(group, index)
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        steps = {i: g["step"] for g in out["param_groups"] for i in g["params"]}
+        # torch.optim.AdamW reads the step per parameter (a float32 tensor). New dicts: the
+        # inner ones of super().state_dict() are our live state.
+        out["state"] = {
+            i: {**values, "step": torch.tensor(float(steps[i]), dtype=torch.float32)}
+            for i, values in out["state"].items()
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if isinstance(groups, list) and any(
+            isinstance(g, dict) and "step" not in g for g in groups
+        ):
+            state_dict = {**state_dict, "param_groups": _group_steps_from_torch(state_dict)}
+        super().load_state_dict(state_dict)
+
+
+def _group_steps_from_torch(state_dict: dict) -> list[dict]:
+    """torch's AdamW keeps ``step`` per parameter; ours per group: each group takes the largest
+    of its parameters' (0 where none has state yet)."""
+    state = state_dict.get("state", {})
+    out = []
+    for gi, group in enumerate(state_dict["param_groups"]):
+        if not isinstance(group, dict) or "step" in group:
+            out.append(group)
+            continue
+        steps = set()
+        for i in group.get("params", ()):
+            step = state.get(i, {}).get("step") if isinstance(state.get(i), dict) else None
+            if step is not None:
+                steps.add(int(step.item() if isinstance(step, torch.Tensor) else step))
+        if len(steps) > 1:
+            log.warning(
+                "param group %d: the loaded parameters were stepped %s times; the group takes "
+                "%d (this optimizer counts steps per group)",
+                gi,
+                sorted(steps),
+                max(steps),
+            )
+        out.append({**group, "step": max(steps, default=0)})
+    return out

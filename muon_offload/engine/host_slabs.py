@@ -1,5 +1,11 @@
 """Optimizer state in host memory: a few large slabs, allocated (and pinned) once, with
-every state tensor a view into them.
+every state tensor living inside them.
+
+Each state tensor sits on a storage of its own that covers exactly its bytes of a slab (a
+sliced ``UntypedStorage``, which keeps the slab alive): ``torch.save`` then writes a tensor's
+own bytes, never the whole slab, and tensors of different dtypes side by side in one slab
+save together (torch refuses two dtypes viewing one storage). The scheduler copies whole
+runs of the slabs (``slab_of``), so neighbours still move as one copy.
 
 Pinning is slow (about 2 GB/s on the H200 host, ANCHORS.md) and must never happen on the
 hot path, so slabs are allocated when state is first created and reused forever after;
@@ -10,6 +16,7 @@ loads as one copy.
 
 from __future__ import annotations
 
+import bisect
 import logging
 
 import torch
@@ -33,6 +40,7 @@ class HostSlabs:
         self.pin = pin
         self.slab_bytes = slab_bytes
         self.slabs: list[Tensor] = []  # uint8 buffers
+        self._starts: list[tuple[int, int]] = []  # (address, index into slabs), sorted
 
     @property
     def nbytes(self) -> int:
@@ -50,13 +58,23 @@ class HostSlabs:
             layout.append((len(slab_sizes) - 1, slab_sizes[-1]))
             slab_sizes[-1] += size
         new = [self._new_slab(n) for n in slab_sizes]
-        self.slabs.extend(new)
+        for slab in new:
+            bisect.insort(self._starts, (slab.data_ptr(), len(self.slabs)))
+            self.slabs.append(slab)
         return [
-            new[slab][offset : offset + torch.Size(shape).numel() * dtype.itemsize]
-            .view(dtype)
-            .view(shape)
+            _own_storage(new[slab], offset, shape, dtype)
             for (slab, offset), (shape, dtype) in zip(layout, specs, strict=True)
         ]
+
+    def slab_of(self, t: Tensor) -> Tensor:
+        """The slab (uint8) holding ``t``."""
+        addr = t.data_ptr()
+        i = bisect.bisect_right(self._starts, (addr, len(self.slabs))) - 1
+        if i >= 0:
+            slab = self.slabs[self._starts[i][1]]
+            if addr + t.numel() * t.element_size() <= slab.data_ptr() + slab.numel():
+                return slab
+        raise ValueError("tensor is not inside the host slabs")
 
     def _new_slab(self, nbytes: int) -> Tensor:
         try:
@@ -71,3 +89,10 @@ class HostSlabs:
         if self.pin:
             log.info("pinned %.2f GiB of host memory for optimizer state", nbytes / 2**30)
         return slab
+
+
+def _own_storage(slab: Tensor, offset: int, shape, dtype: torch.dtype) -> Tensor:
+    """A tensor on a storage of exactly its own bytes of ``slab``, starting at ``offset``."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    storage = slab.untyped_storage()[offset : offset + nbytes]
+    return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape))

@@ -16,6 +16,7 @@ say how a group reads (``_read_hyper``).
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -66,8 +67,6 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
         backend: str,
         distributed_mesh=None,
     ):
-        self._mesh = resolve_mesh(distributed_mesh)
-        self._group_meshes: dict[int, Mesh] = {}
         settings = Settings.check(
             offload=offload,
             chunk_bytes=chunk_bytes,
@@ -76,6 +75,16 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
             state_dtype=state_dtype,
             backend=backend,
         )
+        self._setup(settings, resolve_mesh(distributed_mesh))
+        self._constructed = False
+        super().__init__(params, defaults)
+        check_ranks_agree(self.param_groups, self._mesh_of)
+        self._constructed = True
+
+    def _setup(self, settings: Settings, mesh: Mesh) -> None:
+        """The engine's own attributes: settings, and nothing built yet."""
+        self._mesh = mesh
+        self._group_meshes: dict[int, Mesh] = {}
         self.offload = settings.offload
         self.chunk_bytes = settings.chunk_bytes
         self.resident_chunk_bytes = settings.resident_chunk_bytes
@@ -88,10 +97,43 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
         self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
         self._timeline_marks: list | None = None  # set inside ``timeline()``
-        self._constructed = False
-        super().__init__(params, defaults)
-        check_ranks_agree(self.param_groups, self._mesh_of)
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)``: settings, groups and
+        state values; the copy builds its own host slabs and streams (``__setstate__``)."""
+        if any(self._mesh_of(gi).group is not None for gi in range(len(self.param_groups))):
+            raise TypeError(
+                "an optimizer with a distributed mesh cannot be copied or pickled (process "
+                "groups are not picklable); save opt.state_dict() instead"
+            )
+        self._synchronize()
+        settings = Settings(
+            self.offload,
+            self.chunk_bytes,
+            self.resident_chunk_bytes,
+            self.resident_bytes,
+            self.state_dtype,
+            self.backend,
+        )
+        return {**super().__getstate__(), "algorithms": self.algorithms, "_settings": settings}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        values, settings = state.pop("state"), state.pop("_settings")
+        super().__setstate__({**state, "state": {}})
+        self._setup(settings, resolve_mesh(None))
         self._constructed = True
+        self.state = defaultdict(dict)
+        hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
+        keys = {name: a.state_keys for name, a in self.algorithms.items()}
+        loaded = {
+            p: {k: local(values[p][k]) for k in keys[hypers[gi].algorithm]}
+            for gi, p in self._params()
+            if values.get(p)
+        }
+        if loaded:
+            self._ensure_state(hypers)
+            checkpoint.copy_state(self.state, self._params(), hypers, keys, loaded)
 
     # ----------------------------------------------------------------- groups
 
@@ -220,18 +262,17 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        saved_groups = state_dict["param_groups"]
+        saved_groups, saved_state = checkpoint.check_structure(state_dict)
         new_groups = checkpoint.check_groups(self.param_groups, saved_groups)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(new_groups)]
         keys = {name: a.state_keys for name, a in self.algorithms.items()}
-        loaded = checkpoint.check_state(
-            self.param_groups, saved_groups, state_dict["state"], hypers, keys
-        )
+        loaded = checkpoint.check_state(self.param_groups, saved_groups, saved_state, hypers, keys)
         self._synchronize()
+        checkpoint.detach_aliases(loaded, self.state)
+        self._ensure_state(hypers)  # may allocate (and fail) before anything is written
         for group, new in zip(self.param_groups, new_groups, strict=True):
             group.clear()
             group.update(new)
-        self._ensure_state(hypers)
         checkpoint.copy_state(self.state, self._params(), hypers, keys, loaded)
         self._plans.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -264,7 +305,9 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
                     *(gi, tuple(p.shape), self.chunk_bytes),
                 )
         transfers = [
-            None if chunk.resident else plan_transfer(self._chunk_state(chunk, work))
+            None
+            if chunk.resident
+            else plan_transfer(self._chunk_state(chunk, work), self._store.host.slab_of)
             for chunk in plan.chunks
         ]
         self._plans[key] = (plan, transfers)

@@ -48,45 +48,47 @@ def _byte_view(t: Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
-def _as_bytes(t: Tensor, start: int, nbytes: int) -> Tensor:
+def _own_bytes(t: Tensor) -> Tensor:
+    """The uint8 view of ``t``'s whole storage (the default base of ``plan_transfer``)."""
     storage = t.untyped_storage()
-    out = torch.empty(0, dtype=torch.uint8, device=t.device)
-    return out.set_(storage, start - storage.data_ptr(), (nbytes,))
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
 
 
-def plan_transfer(tensors: Sequence[Tensor]) -> Transfer:
+def plan_transfer(
+    tensors: Sequence[Tensor], base_of: Callable[[Tensor], Tensor] = _own_bytes
+) -> Transfer:
     """Merge tensors that are adjacent in host memory (up to alignment padding) into runs.
 
-    Each run lands in staging at an offset with the same residue modulo ALIGN_BYTES as its
-    host address, so every tensor keeps its host alignment on the device too.
+    ``base_of(t)`` is a uint8 tensor that holds ``t`` (the host slab); tensors merge only
+    within one base. Each run lands in staging at an offset with the same residue modulo
+    ALIGN_BYTES as its host address, so every tensor keeps its host alignment on the device.
     """
     runs: list[_Run] = []
     views: list[tuple[int, torch.Size, torch.dtype]] = []
-    run_start = run_end = run_offset = None
-    run_storage = None
+    run_start = run_end = run_offset = run_base = None
     cursor = 0
 
     def close_run():
         nonlocal cursor
         if run_start is not None:
-            runs.append(
-                _Run(_as_bytes(run_storage_tensor, run_start, run_end - run_start), run_offset)
-            )
+            at = run_start - run_base.data_ptr()
+            runs.append(_Run(run_base[at : at + run_end - run_start], run_offset))
             cursor = run_offset + (run_end - run_start)
 
-    run_storage_tensor = None
     for t in tensors:
         addr, nbytes = _byte_view(t)
         if nbytes == 0:  # an empty shard: nothing to move, an empty view on the device
             views.append((0, t.shape, t.dtype))
             continue
-        storage = t.untyped_storage().data_ptr()
+        base = base_of(t)
         contiguous = (
-            run_start is not None and storage == run_storage and 0 <= addr - run_end < ALIGN_BYTES
+            run_start is not None
+            and base.data_ptr() == run_base.data_ptr()
+            and 0 <= addr - run_end < ALIGN_BYTES
         )
         if not contiguous:
             close_run()
-            run_start, run_storage, run_storage_tensor = addr, storage, t
+            run_start, run_base = addr, base
             run_offset = align_up(cursor) + addr % ALIGN_BYTES
         run_end = addr + nbytes
         views.append((run_offset + addr - run_start, t.shape, t.dtype))
