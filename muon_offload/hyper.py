@@ -61,6 +61,13 @@ def _beta(value, name: str, group_index: int) -> float:
     return float(value)
 
 
+def check_beta(value, name: str) -> float:
+    """A beta given to a constructor, before any group exists."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
 def read_hyper(group: dict, group_index: int) -> Hyper:
     """Validate one group's settings and its parameters' shapes; return its Hyper."""
     algorithm = group.get("algorithm")
@@ -166,6 +173,32 @@ def check_grad(param: Tensor, group_index: int) -> None:
         )
 
 
+# The kernels compute in fp32 and store in these; fp64 would be rounded through fp32 every step.
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_param_dtypes(group: dict, group_index: int) -> None:
+    for p in group["params"]:
+        # Complex and integer tensors are refused with their gradient (check_grad).
+        if p.dtype.is_floating_point and p.dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"{_where(group_index, p)}: {p.dtype} parameters are not supported (the "
+                f"updates compute in fp32); expected one of {PARAM_DTYPES}"
+            )
+
+
+def check_state_fits(group_index: int, param: Tensor, state: dict) -> None:
+    """A parameter whose shape changed since its state was created (``p.data = ...``) would
+    be updated in part: refuse, and say how to start its state afresh."""
+    for key, value in state.items():
+        if isinstance(value, Tensor) and value.shape != param.shape:
+            raise ValueError(
+                f"{_where(group_index, param)}: its {key!r} state has shape "
+                f"{tuple(value.shape)}: the parameter changed shape since its state was "
+                "created; to start its state afresh, del opt.state[param] before step()"
+            )
+
+
 def step_work(param_groups: list[dict]) -> tuple[list[tuple[int, Tensor]], torch.device | None]:
     """The (group index, parameter) pairs that have a gradient this step, checked, and the
     one device they are on (None when no parameter has a gradient)."""
@@ -176,6 +209,11 @@ def step_work(param_groups: list[dict]) -> tuple[list[tuple[int, Tensor]], torch
                 continue
             check_grad(p, gi)
             local_param = getattr(p, "_local_tensor", p)
+            if local_param.dtype not in PARAM_DTYPES:  # changed since construction
+                raise ValueError(
+                    f"{_where(gi, p)}: {p.dtype} parameters are not supported; expected one "
+                    f"of {PARAM_DTYPES}"
+                )
             if not local_param.is_contiguous():
                 raise ValueError(
                     f"{_where(gi, p)}: parameters must be contiguous to be updated in place"

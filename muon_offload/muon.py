@@ -14,7 +14,14 @@ from .distributed import local, orthogonalize_replicated, orthogonalize_sharded,
 from .elementwise import AdamWUpdate, LionUpdate
 from .engine import ChunkedOptimizer, dispatch
 from .engine.algorithm import Algorithm, UnitJob
-from .hyper import ADJUST_LR_MODES, Hyper, adjusted_lr, read_hyper, split_lr_scales
+from .hyper import (
+    ADJUST_LR_MODES,
+    Hyper,
+    adjusted_lr,
+    check_beta,
+    read_hyper,
+    split_lr_scales,
+)
 from .kernels.orthogonalize import ORTHOGONALIZERS
 
 
@@ -144,6 +151,9 @@ class Muon(ChunkedOptimizer):
             raise NotImplementedError("use_gram_newton_schulz is not supported")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
+        # Checked here too: groups read them only when an adamw or lion group exists.
+        for i, beta in enumerate(betas):
+            check_beta(beta, f"betas[{i}]")
         if adjust_lr not in ADJUST_LR_MODES:
             raise ValueError(f"unknown adjust_lr {adjust_lr!r}; expected one of {ADJUST_LR_MODES}")
         if orthogonalizer is None:

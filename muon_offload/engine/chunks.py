@@ -66,10 +66,12 @@ def _job(ctx: StepContext, unit: Unit, state: list[Tensor]) -> UnitJob:
     nkeys = len(algorithm.state_keys)
     if algorithm.elementwise:
         params = [local(p).view(-1)[span] for p, span in items]
-        grads = [local(p.grad).reshape(-1)[span] for p, span in items]
+        grads = [local(p.grad).contiguous().view(-1)[span] for p, span in items]
     else:
         params = [p for p, _ in items]
-        grads = [local(p.grad) for p, _ in items]
+        # The matrix kernels read gradients as dense rows; a transposed or sliced gradient
+        # is copied once (contiguous() is free for the usual contiguous one).
+        grads = [local(p.grad).contiguous() for p, _ in items]
     return UnitJob(
         group=unit.group,
         hyper=ctx.hypers[unit.group],
@@ -82,17 +84,25 @@ def _job(ctx: StepContext, unit: Unit, state: list[Tensor]) -> UnitJob:
     )
 
 
-def run_chunk(ctx: StepContext, chunk: Chunk, views: list[Tensor] | None, done: list[int]) -> None:
+def run_chunk(
+    ctx: StepContext,
+    chunk: Chunk,
+    views: list[Tensor] | None,
+    progress: tuple[list[int], list[int]],
+) -> None:
     """Run every unit of a chunk on its state (``views``: the staging copies of a streamed
-    chunk; None: resident state, updated in place), appending each finished unit's index to
-    ``done``. Units run as dion-style tasks, so one unit's collective is in flight while the
-    next computes; the planner puts matrix units first, in the same order on every rank."""
+    chunk; None: resident state, updated in place), recording in ``progress`` = (started,
+    finished) the index of each unit as it starts and as it finishes. Units run as dion-style
+    tasks, so one unit's collective is in flight while the next computes; the planner puts
+    matrix units first, in the same order on every rank."""
     tensors = (
         views if views is not None else chunk_state(ctx.state, chunk, ctx.work, ctx.algorithms)
     )
     spans = unit_spans(chunk, ctx.algorithms)
+    started, done = progress
 
     def task(k: int):
+        started.append(k)
         unit = chunk.units[k]
         running = ctx.algorithms[unit.algorithm].update(_job(ctx, unit, tensors[slice(*spans[k])]))
         if running is not None:

@@ -2,24 +2,30 @@
 
 The engine runs a step chunk by chunk and unit by unit. When an exception stops it, every
 finished unit keeps its update (streamed chunks write the finished units' state back), every
-other unit keeps its weights and state as before the step (streamed state falls back to the
-untouched host copy). This module turns the record of finished units into the error a user
-sees.
+unit that had not started keeps its weights and state as before the step (streamed state falls
+back to the untouched host copy). A unit that had started and not finished may be part-way:
+weights are updated in place (a kernel per dtype, a Muon unit's momentum before its weights),
+so it is reported as ``torn``, never as "as before". This module turns the record of started
+and finished units into the error a user sees.
+
+A ``KeyboardInterrupt`` (or another ``BaseException`` that is not an ``Exception``) stays what
+it is, so that ``except Exception`` in a training loop does not swallow it: the bookkeeping is
+the same, and the report rides on it as ``.step_interrupted`` (and a note).
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .planner import MuonUnit, unit_params
+from .planner import unit_params
 
 
 class StepInterrupted(RuntimeError):
     """``step()`` stopped part-way. ``updated`` lists the parameters whose update (weights
     and state) was applied, ``not_updated`` those left exactly as before the step,
     ``partial`` element-wise parameters split across chunks and updated in part (each element
-    consistently), ``torn`` resident parameters whose momentum may have advanced without
-    their weight update."""
+    consistently), ``torn`` parameters whose unit stopped part-way: weights or state may be
+    partly updated."""
 
     def __init__(
         self,
@@ -37,27 +43,26 @@ class StepInterrupted(RuntimeError):
         self.torn = torn
 
 
-def interrupted(plan, work, finished, err, param_groups) -> StepInterrupted:
+def interrupted(plan, work, progress, err, param_groups) -> StepInterrupted:
     """Say which parameters an interrupted step updated, and roll the step counter back
-    for groups that saw no update at all. ``finished[i]`` lists the units of chunk i that
-    completed; ``work`` is the step's (group index, parameter) list."""
+    for groups that saw no update at all. ``progress[i]`` is (started, finished) unit indices
+    of chunk i; ``work`` is the step's (group index, parameter) list."""
     updated, pending, torn = set(), set(), set()
-    for chunk, done in zip(plan.chunks, finished, strict=True):
+    for chunk, (started, done) in zip(plan.chunks, progress, strict=True):
         for k, unit in enumerate(chunk.units):
-            (updated if k in done else pending).update(unit_params(unit))
-    failed = next((i for i, c in enumerate(plan.chunks) if len(finished[i]) < len(c.units)), None)
-    if failed is not None and plan.chunks[failed].resident:
-        # Resident state is updated in place, with no copy to fall back to: a Muon unit
-        # stopped between its momentum update and its weight update keeps the advanced
-        # momentum. Streamed units always fall back to the host copy.
-        chunk = plan.chunks[failed]
-        muon = [k for k, u in enumerate(chunk.units) if isinstance(u, MuonUnit)]
-        stopped = [k for k in muon if k not in finished[failed]]
-        if stopped:
-            torn.update(unit_params(chunk.units[stopped[0]]))
+            if k in done:
+                updated.update(unit_params(unit))
+            elif k in started:
+                torn.update(unit_params(unit))
+            else:
+                pending.update(unit_params(unit))
+    pending -= torn
+    updated -= torn
     partial = updated & pending  # element-wise parameters split across chunks
     updated -= partial
     pending -= partial
+    # A torn unit alone does not count: it may not have touched anything (the common case
+    # of an interrupt), and its parameters are named in the error either way.
     stepped_groups = {work[i][0] for i in updated | partial}
     for gi, group in enumerate(param_groups):
         if gi not in stepped_groups:
@@ -79,8 +84,8 @@ def interrupted(plan, work, finished, err, param_groups) -> StepInterrupted:
         )
     if torn:
         message += (
-            f" {len(torn)} resident parameters (shapes {shapes(torn)[:6]}) may have their "
-            "momentum advanced without the weight update."
+            f" {len(torn)} parameters (shapes {shapes(torn)[:6]}) were being updated when it "
+            "stopped: their weights and state may be partly updated."
         )
     return StepInterrupted(
         message + " The next step() updates every parameter that has a gradient.",

@@ -32,7 +32,7 @@ from ..distributed import (
     placement_of,
     resolve_mesh,
 )
-from ..hyper import Hyper, step_work
+from ..hyper import Hyper, check_param_dtypes, check_state_fits, step_work
 from . import checkpoint
 from .algorithm import Algorithm
 from .chunks import StepContext, chunk_state, run_chunk
@@ -151,6 +151,7 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
             if group_mesh is not None:
                 self._group_meshes[index] = resolve_mesh(group_mesh)
             hyper = self._read_hyper(self.param_groups[index], index)
+            check_param_dtypes(self.param_groups[index], index)
             for p in self.param_groups[index]["params"]:
                 self._placement(index, p, hyper)
             if self._constructed:
@@ -186,7 +187,11 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
         return self.algorithms[algorithm].state_keys
 
     def _state_dtype(self, param: Tensor) -> torch.dtype:
-        return self.state_dtype or param.dtype
+        # fp16 cannot hold AdamW's variance (g^2 underflows below 6e-8, updates blow up): fp16
+        # parameters keep fp32 state unless a state_dtype is asked for.
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.float32 if param.dtype == torch.float16 else param.dtype
 
     def _plan_bytes(self, param: Tensor, hyper: Hyper) -> int:
         """State bytes for budgeting and for the resident budget, equal on every rank: a
@@ -282,7 +287,7 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
 
     def _plan(self, work: list[tuple[int, Tensor]], hypers: Sequence[Hyper]):
         key = (
-            tuple(id(p) for _, p in work),
+            tuple((id(p), p.shape, p.dtype) for _, p in work),
             tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
             self.chunk_bytes,
             self.resident_chunk_bytes,
@@ -290,6 +295,8 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
         cached = self._plans.get(key)
         if cached is not None:
             return cached
+        for gi, p in work:
+            check_state_fits(gi, p, self.state[p])
         infos = [
             self._param_info(i, gi, p, hypers[gi], p not in self._streamed)
             for i, (gi, p) in enumerate(work)
@@ -339,29 +346,38 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hypers, work, device = self._check_step()
-        for group in self.param_groups:
-            group["step"] += 1
         if not work:
+            for group in self.param_groups:
+                group["step"] += 1
             return loss
+        # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
+        # step count as it was.
         self._ensure_state(hypers)
         plan, transfers = self._plan(work, hypers)
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
         self._scheduler.timeline = self._timeline_marks
+        for group in self.param_groups:
+            group["step"] += 1
         steps = [g["step"] for g in self.param_groups]
-        finished: list[list[int]] = [[] for _ in plan.chunks]  # unit indices done, per chunk
-
+        progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
         ctx = StepContext(
             self.state, work, hypers, steps, self.algorithms, self.backend, self._mesh_of
         )
 
         def update(i: int, views: list[Tensor] | None) -> None:
-            run_chunk(ctx, plan.chunks[i], views, finished[i])
+            run_chunk(ctx, plan.chunks[i], views, progress[i])
 
         try:
             self._scheduler.run(transfers, update)
-        except Exception as err:
-            raise interrupted(plan, work, finished, err, self.param_groups) from err
+        except BaseException as err:
+            report = interrupted(plan, work, progress, err, self.param_groups)
+            if isinstance(err, Exception):
+                raise report from err
+            err.step_interrupted = report  # KeyboardInterrupt stays a KeyboardInterrupt
+            if hasattr(err, "add_note"):
+                err.add_note(str(report))
+            raise
         return loss
 
     # ------------------------------------------------------------- tools
