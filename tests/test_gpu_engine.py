@@ -98,8 +98,8 @@ def test_state_dict_of_bench_workload_adds_no_gpu_memory():
     out the pinned host slabs themselves. No byte of GPU memory is allocated or reserved by
     it, and no state tensor is copied (each one lies inside a slab), so saving costs what
     reading the host state costs; bench.py times both."""
-    from muon_offload.bench import build
-    from muon_offload.workloads import qwen3_30b_a3b_ep8_rank
+    from muon_offload.tools.bench.modes import build
+    from muon_offload.tools.workloads import qwen3_30b_a3b_ep8_rank
 
     groups, state_bytes, _ = build(qwen3_30b_a3b_ep8_rank(), torch.device("cuda"))
     opt = Muon(groups, lr=0.01, offload=True)

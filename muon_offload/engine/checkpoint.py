@@ -1,4 +1,5 @@
-"""Loading a state dict into the engine's existing state tensors, and pickling an optimizer.
+"""Checkpoints: ``state_dict`` / ``load_state_dict`` into the engine's existing state
+tensors, and copies of an optimizer (``copy.deepcopy``, ``pickle``, ``torch.save(opt)``).
 
 Everything is checked before anything is written: a state dict that does not fit raises
 ``ValueError`` with the optimizer exactly as it was. Host slabs stay where they are; loaded
@@ -7,13 +8,15 @@ values are copied into them (or into resident state), converting dtype and devic
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from ..distributed import local
+from ..distributed import local, resolve_mesh
 from ..hyper import Hyper
+from .settings import Settings
 
 # State may arrive in any of the dtypes our, dion's or torch's optimizers keep it in; others
 # (fp64, integers, complex) are not optimizer state of these algorithms.
@@ -128,3 +131,72 @@ def copy_state(state: dict, params, hypers, state_keys, loaded: dict[Tensor, dic
                 target.copy_(loaded[p][key])
             else:
                 target.zero_()
+
+
+class CheckpointMixin:
+    """The checkpoint methods of ``ChunkedOptimizer`` (mixed in before ``Optimizer``)."""
+
+    def state_dict(self) -> dict:
+        self._synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the existing state tensors (host slabs stay where they are), converting
+        dtype and device as needed. Everything is checked before anything is written."""
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups, saved_state = check_structure(state_dict)
+        new_groups = check_groups(self.param_groups, saved_groups)
+        hypers = [self._read_hyper(g, i) for i, g in enumerate(new_groups)]
+        keys = {name: a.state_keys for name, a in self.algorithms.items()}
+        loaded = check_state(self.param_groups, saved_groups, saved_state, hypers, keys)
+        self._synchronize()
+        detach_aliases(loaded, self.state)
+        self._ensure_state(hypers)  # may allocate (and fail) before anything is written
+        for group, new in zip(self.param_groups, new_groups, strict=True):
+            group.clear()
+            group.update(new)
+        copy_state(self.state, self._params(), hypers, keys, loaded)
+        self._plans.clear()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)``: settings, groups and
+        state values; the copy builds its own host slabs and streams (``__setstate__``)."""
+        if any(self._mesh_of(gi).group is not None for gi in range(len(self.param_groups))):
+            raise TypeError(
+                "an optimizer with a distributed mesh cannot be copied or pickled (process "
+                "groups are not picklable); save opt.state_dict() instead"
+            )
+        self._synchronize()
+        settings = Settings(
+            self.offload,
+            self.chunk_bytes,
+            self.resident_chunk_bytes,
+            self.resident_bytes,
+            self.state_dtype,
+            self.backend,
+        )
+        return {**super().__getstate__(), "algorithms": self.algorithms, "_settings": settings}
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        values, settings = state.pop("state"), state.pop("_settings")
+        super().__setstate__({**state, "state": {}})
+        self._setup(settings, resolve_mesh(None))
+        self._constructed = True
+        self.state = defaultdict(dict)
+        hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
+        keys = {name: a.state_keys for name, a in self.algorithms.items()}
+        loaded = {
+            p: {k: local(values[p][k]) for k in keys[hypers[gi].algorithm]}
+            for gi, p in self._params()
+            if values.get(p)
+        }
+        if loaded:
+            self._ensure_state(hypers)
+            copy_state(self.state, self._params(), hypers, keys, loaded)

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from .settings import check_positive_int
+
 
 class ToolsSurface:
     """Mixed into ``ChunkedOptimizer``; reads its store and scheduler."""
@@ -50,3 +52,26 @@ class ToolsSurface:
                 if sched.cuda:
                     torch.cuda.synchronize(sched.device)
                 rows.extend(sched.timeline_rows(marks))
+
+    def reconfigure(
+        self, chunk_bytes: int | None = None, resident_chunk_bytes: int | None = None
+    ) -> None:
+        """Other chunk budgets for the same state: the next step plans afresh and sizes a new
+        staging ring. State stays where it is."""
+        for name, value in (
+            ("chunk_bytes", chunk_bytes),
+            ("resident_chunk_bytes", resident_chunk_bytes),
+        ):
+            if value is not None:
+                setattr(self, name, check_positive_int(name, value))
+        self._synchronize()
+        self._scheduler = None
+        self._plans.clear()
+
+    @property
+    def _host(self):  # the host slabs, for tests that check where state lives
+        return self._store.host
+
+    @property
+    def _streamed(self) -> set[Tensor]:
+        return self._store.streamed

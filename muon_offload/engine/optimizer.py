@@ -16,7 +16,6 @@ say how a group reads (``_read_hyper``).
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -33,14 +32,14 @@ from ..distributed import (
     resolve_mesh,
 )
 from ..hyper import Hyper, check_param_dtypes, check_state_fits, step_work
-from . import checkpoint
 from .algorithm import Algorithm
+from .checkpoint import CheckpointMixin
 from .chunks import StepContext, chunk_state, run_chunk
 from .interrupt import interrupted
 from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, plan_step, unit_params
 from .scheduler import StreamScheduler, Transfer, plan_transfer
-from .settings import Settings, check_positive_int
+from .settings import Settings
 from .state import NewState, StateStore
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ log = logging.getLogger(__name__)
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
 
-class ChunkedOptimizer(ToolsSurface, Optimizer):
+class ChunkedOptimizer(CheckpointMixin, ToolsSurface, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -98,43 +97,6 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
         self._cpu_notice_given = False
         self._timeline_marks: list | None = None  # set inside ``timeline()``
 
-    def __getstate__(self) -> dict:
-        """For ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)``: settings, groups and
-        state values; the copy builds its own host slabs and streams (``__setstate__``)."""
-        if any(self._mesh_of(gi).group is not None for gi in range(len(self.param_groups))):
-            raise TypeError(
-                "an optimizer with a distributed mesh cannot be copied or pickled (process "
-                "groups are not picklable); save opt.state_dict() instead"
-            )
-        self._synchronize()
-        settings = Settings(
-            self.offload,
-            self.chunk_bytes,
-            self.resident_chunk_bytes,
-            self.resident_bytes,
-            self.state_dtype,
-            self.backend,
-        )
-        return {**super().__getstate__(), "algorithms": self.algorithms, "_settings": settings}
-
-    def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        values, settings = state.pop("state"), state.pop("_settings")
-        super().__setstate__({**state, "state": {}})
-        self._setup(settings, resolve_mesh(None))
-        self._constructed = True
-        self.state = defaultdict(dict)
-        hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
-        keys = {name: a.state_keys for name, a in self.algorithms.items()}
-        loaded = {
-            p: {k: local(values[p][k]) for k in keys[hypers[gi].algorithm]}
-            for gi, p in self._params()
-            if values.get(p)
-        }
-        if loaded:
-            self._ensure_state(hypers)
-            checkpoint.copy_state(self.state, self._params(), hypers, keys, loaded)
-
     # ----------------------------------------------------------------- groups
 
     def _read_hyper(self, group: dict, index: int) -> Hyper:
@@ -174,14 +136,6 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
         return placement_of(param, self._mesh_of(gi), hyper.flatten, where)
 
     # ------------------------------------------------------------------ state
-
-    @property
-    def _host(self):  # the host slabs, for tests that check where state lives
-        return self._store.host
-
-    @property
-    def _streamed(self) -> set[Tensor]:
-        return self._store.streamed
 
     def _state_keys(self, algorithm: str) -> tuple[str, ...]:
         return self.algorithms[algorithm].state_keys
@@ -254,34 +208,6 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
         """Wait for in-flight write-backs, so host state can be read by the CPU."""
         if self._streamed and self._scheduler is not None and self._scheduler.cuda:
             torch.cuda.current_stream(self._scheduler.device).synchronize()
-
-    def state_dict(self) -> dict:
-        self._synchronize()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load into the existing state tensors (host slabs stay where they are), converting
-        dtype and device as needed. Everything is checked before anything is written."""
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        saved_groups, saved_state = checkpoint.check_structure(state_dict)
-        new_groups = checkpoint.check_groups(self.param_groups, saved_groups)
-        hypers = [self._read_hyper(g, i) for i, g in enumerate(new_groups)]
-        keys = {name: a.state_keys for name, a in self.algorithms.items()}
-        loaded = checkpoint.check_state(self.param_groups, saved_groups, saved_state, hypers, keys)
-        self._synchronize()
-        checkpoint.detach_aliases(loaded, self.state)
-        self._ensure_state(hypers)  # may allocate (and fail) before anything is written
-        for group, new in zip(self.param_groups, new_groups, strict=True):
-            group.clear()
-            group.update(new)
-        checkpoint.copy_state(self.state, self._params(), hypers, keys, loaded)
-        self._plans.clear()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
 
     # --------------------------------------------------------------- planning
 
@@ -379,20 +305,3 @@ class ChunkedOptimizer(ToolsSurface, Optimizer):
                 err.add_note(str(report))
             raise
         return loss
-
-    # ------------------------------------------------------------- tools
-
-    def reconfigure(
-        self, chunk_bytes: int | None = None, resident_chunk_bytes: int | None = None
-    ) -> None:
-        """Other chunk budgets for the same state: the next step plans afresh and sizes a new
-        staging ring. State stays where it is."""
-        for name, value in (
-            ("chunk_bytes", chunk_bytes),
-            ("resident_chunk_bytes", resident_chunk_bytes),
-        ):
-            if value is not None:
-                setattr(self, name, check_positive_int(name, value))
-        self._synchronize()
-        self._scheduler = None
-        self._plans.clear()
