@@ -191,7 +191,8 @@ def check_state_fits(group_index: int, param: Tensor, state: dict) -> None:
     """A parameter whose shape changed since its state was created (``p.data = ...``) would
     be updated in part: refuse, and say how to start its state afresh."""
     for key, value in state.items():
-        if isinstance(value, Tensor) and value.shape != param.shape:
+        # 8-bit scales have a shape of their own; codes and dense state the parameter's.
+        if isinstance(value, Tensor) and not key.endswith("_scales") and value.shape != param.shape:
             raise ValueError(
                 f"{_where(group_index, param)}: its {key!r} state has shape "
                 f"{tuple(value.shape)}: the parameter changed shape since its state was "

@@ -31,6 +31,7 @@ class MuonUpdate(Algorithm):
 
     name = "muon"
     elementwise = False
+    state_kinds = ("momentum",)
 
     def __init__(self, state_keys: tuple[str, ...], orthogonalizer):
         super().__init__(state_keys)
@@ -38,14 +39,21 @@ class MuonUpdate(Algorithm):
 
     def update(self, job: UnitJob) -> Iterator[None]:
         h, params = job.hyper, job.params
-        xs, gs, ms = [], [], []
-        for p, g, m in zip(params, job.grads, job.state[0], strict=True):
+        xs, gs, ms, scales = [], [], [], []
+        for i, (p, g, m) in enumerate(zip(params, job.grads, job.state[0], strict=True)):
             xs.extend(_matrices(local(p), h.flatten))
             gs.extend(_matrices(g, h.flatten))
             ms.extend(_matrices(m, h.flatten))
+            if job.quantized:  # one row of block scales a matrix
+                s = job.state[1][i]
+                scales.extend(s.unbind(0) if s.ndim == 2 else [s])
         if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
             return
-        if ms[0].numel():
+        if ms[0].numel() and job.quantized:
+            update, sumsq = dispatch.muon_prep8(
+                job.backend, ms, scales, gs, mu=h.mu, nesterov=h.nesterov
+            )
+        elif ms[0].numel():
             update, sumsq = dispatch.muon_prep(job.backend, ms, gs, mu=h.mu, nesterov=h.nesterov)
         else:  # an empty shard still takes part in every collective
             update = torch.empty((len(ms), *ms[0].shape), dtype=torch.bfloat16, device=ms[0].device)

@@ -34,6 +34,7 @@ class UnitJob:
     params: list[Tensor]
     grads: list[Tensor]
     state: list[list[Tensor]]
+    quantized: bool = False
 
 
 class Algorithm:
@@ -43,8 +44,13 @@ class Algorithm:
     name: str = ""
     elementwise: bool = True
 
+    # What each state key holds, for 8-bit state's code map (kernels/quantized.py).
+    state_kinds: tuple[str, ...] = ()
+
     def __init__(self, state_keys: tuple[str, ...]):
         self.state_keys = tuple(state_keys)
+        if len(self.state_kinds) != len(self.state_keys):
+            raise ValueError(f"{type(self).__name__}: one state kind a key")
 
     def update(self, job: UnitJob) -> Iterator[None] | None:
         """Update the unit's weights and state in place. A generator (yielding while a

@@ -72,41 +72,55 @@ def check_state(
     saved_state: Mapping,
     hypers: Sequence[Hyper],
     state_keys: dict[str, tuple[str, ...]],
-) -> dict[Tensor, dict[str, Tensor]]:
-    """Map each saved entry to its live parameter; check it holds every state tensor, in the
-    parameter's shape and a floating dtype. Returns live parameter -> {key: local tensor}."""
+) -> dict[Tensor, dict[str, tuple[Tensor, ...]]]:
+    """Map each saved entry to its live parameter and check it holds every state key: dense
+    (``key``: the parameter's shape, a floating dtype) or 8-bit (``key_codes`` in the
+    parameter's shape, 8-bit integers; ``key_scales`` fp32). Returns live parameter ->
+    {key: (dense,) or (codes, scales)}, local tensors."""
     owner = {
         saved_id: (gi, p)
         for gi, (ours, saved) in enumerate(zip(param_groups, saved_groups, strict=True))
         for saved_id, p in zip(saved["params"], ours["params"], strict=True)
     }
-    loaded: dict[Tensor, dict[str, Tensor]] = {}
+    loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]] = {}
     for saved_id, values in saved_state.items():
         if saved_id not in owner:
             raise ValueError(f"loaded state names parameter {saved_id!r}, which no group lists")
         gi, p = owner[saved_id]
         where = f"param group {gi} (parameter of shape {tuple(p.shape)})"
-        entry = {}
-        for key in state_keys[hypers[gi].algorithm]:
-            value = values.get(key)
-            if not isinstance(value, Tensor):
-                raise ValueError(f"{where}: loaded state {key!r} is missing")
-            if tuple(value.shape) != tuple(p.shape) or local(value).shape != local(p).shape:
-                raise ValueError(
-                    f"{where}: loaded state {key!r} has shape {tuple(value.shape)}, not the "
-                    "parameter's"
-                )
-            if value.dtype not in LOADABLE_DTYPES:
-                raise ValueError(
-                    f"{where}: loaded state {key!r} is {value.dtype}; expected one of "
-                    f"{LOADABLE_DTYPES}"
-                )
-            entry[key] = local(value)
-        loaded[p] = entry
+        loaded[p] = {
+            key: _checked_entry(values, key, p, where) for key in state_keys[hypers[gi].algorithm]
+        }
     return loaded
 
 
-def detach_aliases(loaded: dict[Tensor, dict[str, Tensor]], state: dict) -> None:
+def _checked_entry(values: Mapping, key: str, p: Tensor, where: str) -> tuple[Tensor, ...]:
+    codes, scales = values.get(f"{key}_codes"), values.get(f"{key}_scales")
+    if isinstance(codes, Tensor) and isinstance(scales, Tensor):
+        if codes.dtype not in (torch.int8, torch.uint8) or scales.dtype != torch.float32:
+            raise ValueError(
+                f"{where}: loaded 8-bit state {key!r} has codes {codes.dtype} and scales "
+                f"{scales.dtype}; expected int8 or uint8 codes and float32 scales"
+            )
+        tensors = (codes, scales)
+    else:
+        value = values.get(key)
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{where}: loaded state {key!r} is missing")
+        if value.dtype not in LOADABLE_DTYPES:
+            raise ValueError(
+                f"{where}: loaded state {key!r} is {value.dtype}; expected one of {LOADABLE_DTYPES}"
+            )
+        tensors = (value,)
+    first = tensors[0]
+    if tuple(first.shape) != tuple(p.shape) or local(first).shape != local(p).shape:
+        raise ValueError(
+            f"{where}: loaded state {key!r} has shape {tuple(first.shape)}, not the parameter's"
+        )
+    return tuple(local(t) for t in tensors)
+
+
+def detach_aliases(loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]], state: dict) -> None:
     """Copy loaded tensors that share memory with live state (our own ``state_dict()``
     reloaded, perhaps with entries swapped): copying one into place would change another
     before it is read."""
@@ -117,20 +131,44 @@ def detach_aliases(loaded: dict[Tensor, dict[str, Tensor]], state: dict) -> None
         if isinstance(t, Tensor)
     }
     for entry in loaded.values():
-        for key, value in entry.items():
-            if value.untyped_storage().data_ptr() in live:
-                entry[key] = value.clone()
+        for key, tensors in entry.items():
+            entry[key] = tuple(
+                t.clone() if t.untyped_storage().data_ptr() in live else t for t in tensors
+            )
 
 
-def copy_state(state: dict, params, hypers, state_keys, loaded: dict[Tensor, dict]) -> None:
-    """Write loaded values into the live state tensors; state not in the dict is zeroed."""
-    for gi, p in params:
-        for key in state_keys[hypers[gi].algorithm]:
-            target = local(state[p][key])
-            if p in loaded:
-                target.copy_(loaded[p][key])
-            else:
-                target.zero_()
+def copy_state(opt, loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]]) -> None:
+    """Write loaded values into the live state tensors, converting between dense and 8-bit
+    state where the formats differ; state not in the dict is zeroed."""
+    for gi, p in opt._params():
+        algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
+        fmt = opt._store.formats[p]
+        live = opt.state[p]
+        for key, kind in zip(algorithm.state_keys, algorithm.state_kinds, strict=True):
+            targets = [local(live[name]) for name in fmt.names(key)]
+            if p not in loaded:
+                for t in targets:
+                    t.zero_()
+                continue
+            source = loaded[p][key]
+            if len(source) == len(targets):  # the same format: copy (casting dense dtypes)
+                if len(source) == 2 and source[1].shape != targets[1].shape:
+                    raise ValueError(f"loaded 8-bit state {key!r}: scales of another layout")
+                for t, v in zip(targets, source, strict=True):
+                    t.copy_(v)
+            elif fmt.quantized:  # dense into 8-bit
+                codes, scales = fmt.encode(source[0], kind, targets[1].shape)
+                targets[0].copy_(codes)
+                targets[1].copy_(scales)
+            else:  # 8-bit into dense
+                targets[0].copy_(_decode(*source, kind))
+
+
+def _decode(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
+    from ..kernels import quantized
+    from .state_format import Int8
+
+    return Int8(quantized.QBLOCK).decode(codes, scales, kind)
 
 
 class CheckpointMixin:
@@ -159,7 +197,7 @@ class CheckpointMixin:
         for group, new in zip(self.param_groups, new_groups, strict=True):
             group.clear()
             group.update(new)
-        copy_state(self.state, self._params(), hypers, keys, loaded)
+        copy_state(self, loaded)
         self._plans.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -193,10 +231,10 @@ class CheckpointMixin:
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
         keys = {name: a.state_keys for name, a in self.algorithms.items()}
         loaded = {
-            p: {k: local(values[p][k]) for k in keys[hypers[gi].algorithm]}
+            p: {k: _checked_entry(values[p], k, p, "copy") for k in keys[hypers[gi].algorithm]}
             for gi, p in self._params()
             if values.get(p)
         }
         if loaded:
             self._ensure_state(hypers)
-            copy_state(self.state, self._params(), hypers, keys, loaded)
+            copy_state(self, loaded)

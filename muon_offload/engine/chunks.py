@@ -22,7 +22,8 @@ from .planner import Chunk, MuonUnit, Unit, unit_params
 class StepContext:
     """What every chunk of one step reads."""
 
-    state: dict  # the optimizer's state: parameter -> {key: tensor}
+    state: dict  # the optimizer's state: parameter -> {name: tensor}
+    formats: dict  # parameter -> its state's format (state_format.Dense / Int8)
     work: list[tuple[int, Tensor]]  # (group index, parameter) of each planned parameter
     hypers: Sequence[Hyper]
     steps: Sequence[int]  # each group's step count, this step included
@@ -38,23 +39,25 @@ def unit_items(unit: Unit, work) -> list[tuple[Tensor, slice | None]]:
     return [(work[s.param][1], slice(s.start, s.stop)) for s in unit.segments]
 
 
-def chunk_state(state: dict, chunk: Chunk, work, algorithms: dict[str, Algorithm]) -> list[Tensor]:
-    """The local state tensors a chunk updates, in the chunk's order."""
+def chunk_state(state: dict, formats: dict, chunk: Chunk, work) -> list[Tensor]:
+    """The local state tensors a chunk updates, in the chunk's order (for each item, its
+    tensors in allocation order: key by key, codes then scales for 8-bit state)."""
     out = []
     for unit in chunk.units:
-        keys = algorithms[unit.algorithm].state_keys
         for p, span in unit_items(unit, work):
-            for key in keys:
-                t = local(state[p][key])
-                out.append(t if span is None else t.view(-1)[span])
+            fmt = formats[p]
+            for name, t in state[p].items():
+                t = local(t)
+                out.append(t if span is None else fmt.segment(name, t, span))
     return out
 
 
-def unit_spans(chunk: Chunk, algorithms: dict[str, Algorithm]) -> list[tuple[int, int]]:
+def unit_spans(chunk: Chunk, state: dict, work) -> list[tuple[int, int]]:
     """Each unit's range in the chunk's state list."""
     spans, start = [], 0
     for unit in chunk.units:
-        count = len(unit_params(unit)) * len(algorithms[unit.algorithm].state_keys)
+        first = work[unit_params(unit)[0]][1]
+        count = len(unit_params(unit)) * len(state[first])
         spans.append((start, start + count))
         start += count
     return spans
@@ -63,7 +66,8 @@ def unit_spans(chunk: Chunk, algorithms: dict[str, Algorithm]) -> list[tuple[int
 def _job(ctx: StepContext, unit: Unit, state: list[Tensor]) -> UnitJob:
     algorithm = ctx.algorithms[unit.algorithm]
     items = unit_items(unit, ctx.work)
-    nkeys = len(algorithm.state_keys)
+    first = items[0][0]
+    nkeys = len(ctx.state[first])  # tensors per item: one a key, or codes and scales
     if algorithm.elementwise:
         params = [local(p).view(-1)[span] for p, span in items]
         grads = [local(p.grad).contiguous().view(-1)[span] for p, span in items]
@@ -81,6 +85,7 @@ def _job(ctx: StepContext, unit: Unit, state: list[Tensor]) -> UnitJob:
         params=params,
         grads=grads,
         state=[state[j::nkeys] for j in range(nkeys)],
+        quantized=ctx.formats[first].quantized,
     )
 
 
@@ -95,10 +100,8 @@ def run_chunk(
     finished) the index of each unit as it starts and as it finishes. Units run as dion-style
     tasks, so one unit's collective is in flight while the next computes; the planner puts
     matrix units first, in the same order on every rank."""
-    tensors = (
-        views if views is not None else chunk_state(ctx.state, chunk, ctx.work, ctx.algorithms)
-    )
-    spans = unit_spans(chunk, ctx.algorithms)
+    tensors = views if views is not None else chunk_state(ctx.state, ctx.formats, chunk, ctx.work)
+    spans = unit_spans(chunk, ctx.state, ctx.work)
     started, done = progress
 
     def task(k: int):
@@ -115,7 +118,7 @@ def run_chunk(
         if views is not None:
             # The chunk will not be stored: keep what its finished units computed, and the
             # host's (untouched) state for the rest.
-            host = chunk_state(ctx.state, chunk, ctx.work, ctx.algorithms)
+            host = chunk_state(ctx.state, ctx.formats, chunk, ctx.work)
             for k in done:
                 for j in range(*spans[k]):
                     host[j].copy_(views[j])

@@ -37,6 +37,30 @@ def muon_apply_(backend: str, params, update: Tensor, **hyper) -> None:
     fn(params, update, **hyper)
 
 
+# 8-bit state (kernels/quantized.py), imported where it is used: a dense optimizer never
+# loads it.
+def adamw8_(backend: str, params, grads, m_codes, m_scales, v_codes, v_scales, **hyper) -> None:
+    from ..kernels import quantized
+
+    fn = quantized.adamw8_ if _use_triton(backend, params[0]) else quantized.adamw8_reference_
+    fn(params, grads, m_codes, m_scales, v_codes, v_scales, **hyper)
+
+
+def lion8_(backend: str, params, grads, m_codes, m_scales, **hyper) -> None:
+    from ..kernels import quantized
+
+    fn = quantized.lion8_ if _use_triton(backend, params[0]) else quantized.lion8_reference_
+    fn(params, grads, m_codes, m_scales, **hyper)
+
+
+def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu: float, nesterov: bool):
+    from ..kernels import quantized
+
+    triton = _use_triton(backend, m_codes[0])
+    fn = quantized.muon_prep8 if triton else quantized.muon_prep8_reference
+    return fn(m_codes, m_scales, grads, mu=mu, nesterov=nesterov)
+
+
 def orthogonalize_batch(
     update: Tensor,
     sumsq: Tensor | None,

@@ -7,7 +7,7 @@ own bytes, never the whole slab, and tensors of different dtypes side by side in
 save together (torch refuses two dtypes viewing one storage). The scheduler copies whole
 runs of the slabs (``slab_of``), so neighbours still move as one copy.
 
-Pinning is slow (about 2 GB/s on the H200 host, ANCHORS.md) and must never happen on the
+Pinning is slow (about 2 GB/s on the H200 host, docs/benchmarks.md) and must never happen on the
 hot path, so slabs are allocated when state is first created and reused forever after;
 ``load_state_dict`` writes into them. Tensors are placed in the order they are asked for,
 which is the planner's order, so the state of one chunk is mostly one contiguous range and

@@ -37,17 +37,18 @@ from .checkpoint import CheckpointMixin
 from .chunks import StepContext, chunk_state, run_chunk
 from .interrupt import interrupted
 from .introspect import ToolsSurface
-from .planner import ParamInfo, Plan, plan_step, unit_params
+from .planner import ParamInfo, Plan, plan_step
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
-from .state import NewState, StateStore
+from .state import StateMixin, StateStore
+from .state_format import StatePolicy
 
 log = logging.getLogger(__name__)
 
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
 
-class ChunkedOptimizer(CheckpointMixin, ToolsSurface, Optimizer):
+class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -92,6 +93,7 @@ class ChunkedOptimizer(CheckpointMixin, ToolsSurface, Optimizer):
         self.backend = settings.backend
         self._plans: dict[tuple, tuple[Plan, list[Transfer | None]]] = {}
         self._store = StateStore()
+        self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
         self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
@@ -114,6 +116,14 @@ class ChunkedOptimizer(CheckpointMixin, ToolsSurface, Optimizer):
                 self._group_meshes[index] = resolve_mesh(group_mesh)
             hyper = self._read_hyper(self.param_groups[index], index)
             check_param_dtypes(self.param_groups[index], index)
+            if self.state_dtype == torch.int8 and any(
+                isinstance(p, DTensor) for p in self.param_groups[index]["params"]
+            ):
+                raise ValueError(
+                    f"param group {index}: state_dtype=torch.int8 does not support DTensor "
+                    "(sharded) parameters yet: their per-block scales have no sharded layout "
+                    "for distributed checkpoints; use torch.bfloat16 state"
+                )
             for p in self.param_groups[index]["params"]:
                 self._placement(index, p, hyper)
             if self._constructed:
@@ -140,69 +150,19 @@ class ChunkedOptimizer(CheckpointMixin, ToolsSurface, Optimizer):
     def _state_keys(self, algorithm: str) -> tuple[str, ...]:
         return self.algorithms[algorithm].state_keys
 
-    def _state_dtype(self, param: Tensor) -> torch.dtype:
-        # fp16 cannot hold AdamW's variance (g^2 underflows below 6e-8, updates blow up): fp16
-        # parameters keep fp32 state unless a state_dtype is asked for.
-        if self.state_dtype is not None:
-            return self.state_dtype
-        return torch.float32 if param.dtype == torch.float16 else param.dtype
-
-    def _plan_bytes(self, param: Tensor, hyper: Hyper) -> int:
-        """State bytes for budgeting and for the resident budget, equal on every rank: a
-        sharded (DTensor) parameter counts its global state over the mesh size, never its
-        local shard, which differs across ranks when shards are uneven."""
-        per_elem = len(self._state_keys(hyper.algorithm)) * self._state_dtype(param).itemsize
-        if not isinstance(param, DTensor):
-            return per_elem * local(param).numel()
-        return -(-per_elem * param.numel() // param.device_mesh.size())
-
     def _param_info(self, index: int, group: int, p: Tensor, hyper: Hyper, resident: bool):
+        fmt = self._format(p)
         return ParamInfo(
             index=index,
             group=group,
             algorithm=hyper.algorithm,
             numel=local(p).numel(),
             plan_bytes=self._plan_bytes(p, hyper),
-            batch_key=(
-                tuple(p.shape),
-                p.dtype,
-                self._state_dtype(p),
-                self._placement(group, p, hyper),
-            ),
+            batch_key=(tuple(p.shape), p.dtype, fmt, self._placement(group, p, hyper)),
             resident=resident,
+            align=fmt.align,
+            unit_key=fmt,
         )
-
-    def _ensure_state(self, hypers: Sequence[Hyper]) -> None:
-        """Create state for every parameter that has none, in plan order."""
-        missing = [(gi, p) for gi, p in self._params() if not self.state.get(p)]
-        if not missing:
-            return
-        store, infos = self._store, []
-        for i, (gi, p) in enumerate(missing):
-            nbytes = self._plan_bytes(p, hypers[gi])
-            resident = not self.offload or (
-                self.resident_bytes is not None
-                and store.resident_used + nbytes <= self.resident_bytes
-            )
-            if resident and self.offload:
-                store.resident_used += nbytes
-            infos.append(self._param_info(i, gi, p, hypers[gi], resident))
-        plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
-        order = [i for unit in plan.units() for i in unit_params(unit)]
-        # A split element-wise param appears once per piece; an empty one in no unit at all.
-        store.create(
-            self.state,
-            [
-                NewState(
-                    missing[i][1],
-                    self._state_keys(infos[i].algorithm),
-                    self._state_dtype(missing[i][1]),
-                    streamed=not infos[i].resident,
-                )
-                for i in dict.fromkeys([*order, *range(len(missing))])
-            ],
-        )
-        self._plans.clear()
 
     def _synchronize(self) -> None:
         """Wait for in-flight write-backs, so host state can be read by the CPU."""
@@ -247,7 +207,7 @@ class ChunkedOptimizer(CheckpointMixin, ToolsSurface, Optimizer):
         return plan, transfers
 
     def _chunk_state(self, chunk, work) -> list[Tensor]:
-        return chunk_state(self.state, chunk, work, self.algorithms)
+        return chunk_state(self.state, self._store.formats, chunk, work)
 
     # ------------------------------------------------------------------- step
 
@@ -288,7 +248,14 @@ class ChunkedOptimizer(CheckpointMixin, ToolsSurface, Optimizer):
         steps = [g["step"] for g in self.param_groups]
         progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
         ctx = StepContext(
-            self.state, work, hypers, steps, self.algorithms, self.backend, self._mesh_of
+            self.state,
+            self._store.formats,
+            work,
+            hypers,
+            steps,
+            self.algorithms,
+            self.backend,
+            self._mesh_of,
         )
 
         def update(i: int, views: list[Tensor] | None) -> None:

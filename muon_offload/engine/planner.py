@@ -41,6 +41,12 @@ class ParamInfo:
     plan_bytes: int  # state bytes for budgeting: global state bytes / mesh size
     batch_key: Hashable = None  # muon: (shape, dtype, placement); params batch only if equal
     resident: bool = True  # state kept on the GPU (never streamed)
+    # Element-wise cuts fall on multiples of this many elements: SEGMENT_ALIGN, or a multiple
+    # of the quantization block for 8-bit state, so no block spans two chunks.
+    align: int = SEGMENT_ALIGN
+    # Element-wise parameters share a unit only with the same key (the state format): one
+    # unit is one kernel's work.
+    unit_key: Hashable = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class ElementwiseUnit:
     algorithm: str
     segments: tuple[Segment, ...]
     plan_bytes: int
+    key: Hashable = None  # the ParamInfo.unit_key its parameters share
 
 
 Unit = MuonUnit | ElementwiseUnit
@@ -187,24 +194,24 @@ class _Packer:
         while start < p.numel:
             room = max(0, self.chunk_bytes - self.used) // per_elem
             if room < p.numel - start:
-                room -= room % SEGMENT_ALIGN
+                room -= room % p.align
             if room == 0:
                 self.close()
-                room = max(SEGMENT_ALIGN, self.chunk_bytes // per_elem)
+                room = max(p.align, self.chunk_bytes // per_elem)
                 if room < p.numel - start:
-                    room -= room % SEGMENT_ALIGN
+                    room -= room % p.align
             stop = min(p.numel, start + room)
             self._append_segment(p, Segment(p.index, start, stop), (stop - start) * per_elem)
             start = stop
 
     def _append_segment(self, p: ParamInfo, segment: Segment, nbytes: int) -> None:
         last = self.units[-1] if self.units else None
-        if isinstance(last, ElementwiseUnit) and last.group == p.group:
+        if isinstance(last, ElementwiseUnit) and (last.group, last.key) == (p.group, p.unit_key):
             self.units[-1] = ElementwiseUnit(
-                p.group, p.algorithm, (*last.segments, segment), last.plan_bytes + nbytes
+                p.group, p.algorithm, (*last.segments, segment), last.plan_bytes + nbytes, last.key
             )
         else:
-            self.units.append(ElementwiseUnit(p.group, p.algorithm, (segment,), nbytes))
+            self.units.append(ElementwiseUnit(p.group, p.algorithm, (segment,), nbytes, p.unit_key))
         self.used += nbytes
 
     def finish(self) -> list[Chunk]:

@@ -9,13 +9,17 @@ A DTensor parameter's state is a DTensor of the same layout around the local ten
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..distributed import DTensor, dtensor_around, local
+from ..hyper import Hyper, matrix_count
 from .host_slabs import HostSlabs
+from .planner import plan_step, unit_params
+from .state_format import StatePolicy
 
 
 @dataclass(frozen=True)
@@ -23,8 +27,8 @@ class NewState:
     """One parameter whose state is to be created."""
 
     param: Tensor
-    keys: tuple[str, ...]
-    dtype: torch.dtype
+    fmt: object  # state_format.Dense or Int8
+    specs: list  # (name, shape, dtype) of each tensor, in allocation order
     streamed: bool
 
 
@@ -35,30 +39,35 @@ class StateStore:
         self.host: HostSlabs | None = None
         self.streamed: set[Tensor] = set()  # parameters whose state lives in host memory
         self.resident_used = 0  # bytes of offload-mode state kept resident (resident_bytes)
+        self.formats: dict[Tensor, object] = {}  # parameter -> its state's format
 
     def create(self, state: dict, new: list[NewState]) -> None:
         """Fill ``state[p]`` for each entry, in the given order."""
         streamed = []
         for entry in new:
             p = entry.param
+            self.formats[p] = entry.fmt
             if entry.streamed:
                 streamed.append(entry)
                 self.streamed.add(p)
                 continue
+            device = local(p).device
             state[p].update(
                 {
-                    k: like_param(torch.zeros_like(local(p), dtype=entry.dtype), p)
-                    for k in entry.keys
+                    name: like_param(torch.zeros(shape, dtype=dtype, device=device), p)
+                    for name, shape, dtype in entry.specs
                 }
             )
         if not streamed:
             return
         if self.host is None:
             self.host = HostSlabs(pin=local(streamed[0].param).is_cuda)
-        specs = [(local(e.param).shape, e.dtype) for e in streamed for _ in e.keys]
+        specs = [(shape, dtype) for e in streamed for _, shape, dtype in e.specs]
         tensors = iter(self.host.allocate(specs))
         for e in streamed:
-            state[e.param].update({k: like_param(next(tensors), e.param) for k in e.keys})
+            state[e.param].update(
+                {name: like_param(next(tensors), e.param) for name, _, _ in e.specs}
+            )
 
 
 def like_param(state: Tensor, param: Tensor) -> Tensor:
@@ -68,6 +77,61 @@ def like_param(state: Tensor, param: Tensor) -> Tensor:
     Built as FSDP2 builds its CPU-offloaded shards (``_from_local_no_grad``), not with
     ``DTensor.from_local``: that one moves a host tensor to the mesh's device type, which
     would put offloaded state back on the GPU."""
-    if not isinstance(param, DTensor):
+    if not isinstance(param, DTensor) or state.shape != local(param).shape:
         return state
     return dtensor_around(state, param)
+
+
+class StateMixin:
+    """The state-creation methods of ``ChunkedOptimizer``: each parameter's format, its
+    budget, and creating what is missing in plan order."""
+
+    def _format(self, p: Tensor):
+        """The format of ``p``'s state: as created, or as it would be created now."""
+        fmt = self._store.formats.get(p)
+        return fmt if fmt is not None else self._policy.format_for(local(p))
+
+    def _plan_bytes(self, param: Tensor, hyper: Hyper) -> int:
+        """State bytes for budgeting and for the resident budget, equal on every rank: a
+        sharded (DTensor) parameter counts its global state over the mesh size, never its
+        local shard, which differs across ranks when shards are uneven."""
+        nkeys = len(self._state_keys(hyper.algorithm))
+        if not isinstance(param, DTensor):
+            return self._format(param).nbytes(local(param).numel(), nkeys)
+        total = self._format(param).nbytes(param.numel(), nkeys)
+        return -(-total // param.device_mesh.size())
+
+    def _new_state(self, p: Tensor, hyper: Hyper, streamed: bool) -> NewState:
+        algorithm = self.algorithms[hyper.algorithm]
+        shape = local(p).shape
+        matrices = 1 if algorithm.elementwise else matrix_count(shape, hyper.flatten)
+        fmt = self._format(p)
+        specs = StatePolicy.specs(fmt, shape, algorithm.state_keys, algorithm.state_kinds, matrices)
+        return NewState(p, fmt, specs, streamed)
+
+    def _ensure_state(self, hypers: Sequence[Hyper]) -> None:
+        """Create state for every parameter that has none, in plan order."""
+        missing = [(gi, p) for gi, p in self._params() if not self.state.get(p)]
+        if not missing:
+            return
+        store, infos = self._store, []
+        for i, (gi, p) in enumerate(missing):
+            nbytes = self._plan_bytes(p, hypers[gi])
+            resident = not self.offload or (
+                self.resident_bytes is not None
+                and store.resident_used + nbytes <= self.resident_bytes
+            )
+            if resident and self.offload:
+                store.resident_used += nbytes
+            infos.append(self._param_info(i, gi, p, hypers[gi], resident))
+        plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
+        order = [i for unit in plan.units() for i in unit_params(unit)]
+        # A split element-wise param appears once per piece; an empty one in no unit at all.
+        store.create(
+            self.state,
+            [
+                self._new_state(missing[i][1], hypers[missing[i][0]], not infos[i].resident)
+                for i in dict.fromkeys([*order, *range(len(missing))])
+            ],
+        )
+        self._plans.clear()
