@@ -11,7 +11,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # Kernels run on CPU tensors only under the interpreter, and on CUDA tensors only compiled.
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="interpreter only")),
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not INTERPRETED, reason="CPU tensors run only under the Triton interpreter (no GPU)"
+        ),
+    ),
     pytest.param("cuda", marks=pytest.mark.cuda),
 ]
 

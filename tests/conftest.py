@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)

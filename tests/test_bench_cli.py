@@ -18,7 +18,9 @@ from muon_offload.tools.workloads import ParamSpec
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 HAS_DION = importlib.util.find_spec("dion") is not None
 OURS = ("ours_resident", "ours_offload_fp32", "ours_offload_bf16", "all_at_once")
-NEEDS_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+NEEDS_NO_GPU = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the bench on a machine without a GPU"
+)
 TIMED = ("median_s", "min_s", "max_s", "steps", "peak_added_gib", "to_floor", "to_dion")
 
 

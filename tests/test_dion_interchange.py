@@ -5,7 +5,10 @@ import io
 import pytest
 import torch
 
-dion = pytest.importorskip("dion")
+dion = pytest.importorskip(
+    "dion",
+    reason='needs dion, which is not on PyPI: pip install "git+https://github.com/microsoft/dion@0a059a4"',
+)
 
 from muon_offload import Muon  # noqa: E402
 

@@ -48,14 +48,17 @@ def test_two_sharded_dims_refused():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_against_dion(world):
-    pytest.importorskip("dion")
+    pytest.importorskip(
+        "dion",
+        reason='needs dion, which is not on PyPI: pip install "git+https://github.com/microsoft/dion@0a059a4"',
+    )
     try:
         _spawn(dist_workers.against_dion, world)
     except mp.ProcessRaisedException as err:
         # dion's Muon exchanges with the list-form all_to_all, which gloo has only from
         # pytorch PR 165435 (2026-04; torch 2.11 lacks it). Ours does not need it.
         if "does not support alltoall" in str(err):
-            pytest.skip("dion needs the list-form all_to_all, which this torch's gloo lacks")
+            pytest.skip("dion needs gloo's list-form all_to_all (torch >= 2.12)")
         raise
 
 

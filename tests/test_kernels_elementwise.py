@@ -170,7 +170,7 @@ def _compiled_variants(kernel) -> int:
     return sum(len(c) for c in kernel.cache.values())
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="interpreter only")
+@pytest.mark.skipif(not INTERPRETED, reason="checks the Triton interpreter (no GPU)")
 def test_interpreter_uses_single_config():
     from muon_offload.kernels.elementwise import INTERPRETER_CONFIG
 

@@ -13,7 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_interleaved_rounds_and_ratios(tmp_path):
-    dion = pytest.importorskip("dion")
+    dion = pytest.importorskip(
+        "dion",
+        reason='needs dion, which is not on PyPI: pip install "git+https://github.com/microsoft/dion@0a059a4"',
+    )
     dion_root = Path(dion.__file__).resolve().parents[1]
     out = tmp_path / "rvd.json"
     cmd = [sys.executable, str(ROOT / "bench" / "resident_vs_dion.py"), "--dion-path"]

@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-dion = pytest.importorskip("dion")
+dion = pytest.importorskip(
+    "dion",
+    reason='needs dion, which is not on PyPI: pip install "git+https://github.com/microsoft/dion@0a059a4"',
+)
 
 # dion compiles its update functions with fullgraph=True; the many shapes and settings below
 # exceed Dynamo's default recompile limit of 8 (dion's own tests raise it the same way).
