@@ -5,6 +5,7 @@ from .adamw import AdamW
 from .engine import DEFAULT_CHUNK_BYTES
 from .engine.interrupt import StepInterrupted
 from .muon import Muon
+from .param_groups import muon_param_groups
 
-__all__ = ["AdamW", "DEFAULT_CHUNK_BYTES", "Muon", "StepInterrupted"]
+__all__ = ["AdamW", "DEFAULT_CHUNK_BYTES", "Muon", "StepInterrupted", "muon_param_groups"]
 __version__ = "0.1.0"
