@@ -46,6 +46,13 @@ def bucket(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def tuning_batch(elements: int) -> int:
+    """The batch that kernels whose config changes their results are timed on: fixed by the
+    matrix size (about 64 Mi input elements, at most 64 matrices), never the caller's batch,
+    so that chunking cannot change which config a shape gets."""
+    return max(1, min(64, (1 << 26) // max(int(elements), 1)))
+
+
 @functools.cache
 def triton_dtype(dtype: torch.dtype):
     import triton.language as tl
@@ -222,10 +229,11 @@ class Tuner:
             return interpreter_config
         if not autotune_enabled() and not force:
             return configs[0]
-        name = f"{kernel}|" + "|".join(str(k) for k in key)
-        fast = self._chosen.get((device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), name))
+        fast_key = (device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), kernel, key)
+        fast = self._chosen.get(fast_key)  # no string building: this runs per launch
         if fast is not None and not (force or self.retune):
             return fast
+        name = f"{kernel}|" + "|".join(str(k) for k in key)
         with self._lock:
             path = self.cache_path(device)
             self._load(path)
@@ -233,7 +241,7 @@ class Tuner:
         if hit is not None and not (force or self.retune):
             self.last[kernel] = {"key": name, **hit}
             fast = Config(**hit["config"])
-            self._chosen[(device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), name)] = fast
+            self._chosen[fast_key] = fast
             return fast
         if bench is None:
             return configs[0]
@@ -250,7 +258,7 @@ class Tuner:
         with self._lock:
             self._memory[name] = entry
             self.last[kernel] = {"key": name, **entry}
-            self._chosen[(device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), name)] = best
+            self._chosen[fast_key] = best
             self._save(path)
         return best
 
