@@ -1,0 +1,123 @@
+"""bench/train_compare.py's table and figure, from its JSON record alone (so a partial run's
+JSON can be redrawn)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TARGET = 0.01  # issue 13: 8-bit state's final loss within 1% of fp32's
+PANELS = (("muon", "Muon (matrices) + AdamW (embeddings, head, norms)"), ("adamw", "AdamW only"))
+
+
+def reference(name: str, rec: dict) -> str:
+    return f"{rec['optimizer']}_fp32"
+
+
+def ratio(result: dict, name: str) -> float | None:
+    """A mode's final loss over its optimizer's fp32 mode's; None where either did not finish."""
+    modes = result["modes"]
+    ref = modes.get(reference(name, modes[name]))
+    if not ref or modes[name].get("final") is None or ref.get("final") is None:
+        return None
+    return modes[name]["final"] / ref["final"]
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(result: dict) -> str:
+    cfg, env = result["config"], result["environment"]
+    window = cfg["final_window"]
+    lines = [
+        f"{env['device']}; torch {env['torch']}, triton {env['triton']}; {cfg['params']:,} "
+        f"parameters, {cfg['tokens_per_step']:,} tokens/step, {cfg['steps']} steps",
+        f"{'mode':<16} {'status':<9} {f'final({window})':>10} {'vs fp32':>8} {'val':>7} "
+        f"{'ms/step':>8} {'1st step s':>10} {'peak GiB':>9}",
+    ]
+    modes = result["modes"]
+    for name, rec in modes.items():
+        peak = rec.get("peak_gpu_mib")
+        lines.append(
+            f"{name:<16} {rec['status']:<9} {_num(rec.get('final'), '.4f'):>10} "
+            f"{_num(ratio(result, name), '.4f'):>8} {_num(rec.get('final_val'), '.4f'):>7} "
+            f"{_num(rec.get('step_ms_median'), '.1f'):>8} "
+            f"{_num(rec.get('first_step_s'), '.2f'):>10} "
+            f"{_num(peak and peak / 1024, '.2f'):>9}"
+        )
+    for name, rec in modes.items():
+        if rec["status"] != "ok" and rec.get("error"):
+            lines.append(f"  {name}: {rec['error'].splitlines()[0][:160]}")
+    for name, rec in modes.items():
+        if rec["state_dtype"] != "torch.int8":
+            continue
+        r = ratio(result, name)
+        verdict = (
+            "not measured"
+            if r is None
+            else f"{r:.4f}: {'within' if abs(r - 1) <= TARGET else 'NOT within'} {TARGET:.0%}"
+        )
+        lines.append(f"target, {name} / {reference(name, rec)}: {verdict}")
+    return "\n".join(lines)
+
+
+def smooth(xs: list[float], window: int) -> np.ndarray:
+    """Trailing mean over ``window`` steps (fewer at the start)."""
+    x = np.asarray(xs, dtype=np.float64)
+    c = np.concatenate(([0.0], np.cumsum(x)))
+    i = np.arange(1, len(x) + 1)
+    lo = np.maximum(0, i - window)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+def figure(result: dict, path: Path) -> dict:
+    """Smoothed training losses (lines) and validation losses (dots), one panel per optimizer;
+    without matplotlib say so and draw nothing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {"skipped": "matplotlib is not installed: no figure (pip install matplotlib)"}
+    cfg, env = result["config"], result["environment"]
+    window = max(1, cfg["steps"] // 40)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    tops, bottoms = [], []
+    for ax, (optimizer, title) in zip(axes, PANELS, strict=True):
+        for i, (name, rec) in enumerate(result["modes"].items()):
+            if rec["optimizer"] != optimizer or not rec.get("losses"):
+                continue
+            color = f"C{i}"
+            y = smooth(rec["losses"], window)
+            r = ratio(result, name)
+            label = name + ("" if r is None else f" (final {rec['final']:.4f}, x{r:.4f})")
+            ax.plot(np.arange(1, len(y) + 1), y, color=color, lw=1.2, label=label)
+            if rec.get("val"):
+                steps, vals = zip(*rec["val"], strict=True)
+                ax.plot(steps, vals, "o", color=color, ms=3)
+            finite = y[np.isfinite(y)]
+            if finite.size:
+                bottoms.append(finite.min())
+                # The top of the view: past the first tenth of the run, where the modes differ.
+                tops.append(finite[len(finite) // 10 :].max())
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    axes[0].set_ylabel(f"train loss (nats/byte, mean of {window} steps); dots: validation")
+    if tops:
+        lo, hi = min(bottoms), max(tops)
+        axes[0].set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+    fig.suptitle(
+        f"{cfg['params'] / 1e6:.1f} M-parameter byte-level GPT on the Python stdlib, "
+        f"{cfg['steps']} steps x {cfg['tokens_per_step']:,} tokens; {env['device']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return {"files": [str(path)]}
