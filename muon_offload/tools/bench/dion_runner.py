@@ -27,7 +27,11 @@ def find_dion(path: str | None) -> tuple[str | None, str | None]:
         return os.path.abspath(path), None
     spec = importlib.util.find_spec("dion")
     if spec is None or spec.origin is None:
-        return None, "dion is not installed (pip install it, or pass --dion-path DIR)"
+        return None, (
+            "dion is not installed; it is not on PyPI: pip install "
+            '"git+https://github.com/microsoft/dion@0a059a4" (the commit compared against), '
+            "or pass --dion-path DIR"
+        )
     return os.path.dirname(os.path.dirname(spec.origin)), None
 
 
