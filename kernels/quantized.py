@@ -724,7 +724,9 @@ def adamw8_reference_(
         g32 = g.float()
         m = _lerp_ref(_decode_ref(mc, ms, MAPS["adam_m"]), g32, w1)
         v = _decode_ref(vc, vs, MAPS["adam_v"]) * beta2 + (g32 * g32) * omb2
-        denom = v.sqrt() / bc2_sqrt + eps
+        # A tensor divisor: torch turns division by a Python scalar into a multiplication by
+        # its reciprocal (another rounding than the kernel's division).
+        denom = v.sqrt() / torch.full_like(v, bc2_sqrt) + eps
         p.copy_(p.float() * decay - step_size * (m / denom))
         for codes, scales, x, kind in ((mc, ms, m, "adam_m"), (vc, vs, v, "adam_v")):
             c, s = _encode_ref(x, MAPS[kind])
