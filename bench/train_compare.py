@@ -17,9 +17,12 @@ a table: each mode's final loss (mean of the last ``--final-window`` training lo
 ratio to the fp32 mode of the same optimizer (issue 13's target: 8-bit within 1% of fp32).
 
 The defaults are sized for one H200 and all seven modes in under 9 minutes: a 54.7 M-parameter
-model (dim 640, 11 layers) at 32 x 512 tokens a step is 6 * 54.7e6 * 16384 = 5.4 TFLOP, about
-15-20 ms of forward and backward, plus 5-15 ms for an offloaded step of 0.2-0.4 GB of state
-over PCIe: 14,000 steps at ~30 ms. The script prints its own projection after the first mode.
+model (dim 640, 11 layers, untied head) at 24 x 512 tokens a step is 6 * 54.7e6 * 12288 = 4.0
+TFLOP, an estimated 15-20 ms of forward and backward in eager bf16 (matrix products at ~0.4
+PFLOP/s, and about as long again in memory-bound norms, casts and activations), plus 5-15 ms for
+an offloaded step of 0.2-0.4 GB of state over PCIe: 14,000 steps at ~28 ms, 6.5 minutes. After
+each mode the script prints how long the rest will take at that pace; ``--time-limit`` skips
+the modes that would not fit.
 """
 
 from __future__ import annotations
@@ -30,110 +33,28 @@ import json
 import math
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from muon_offload import AdamW, Muon
 from muon_offload.tools import options
 from muon_offload.tools.bench import machine
 
 # isort: split
 # Siblings in bench/, imported by plain name (the script's folder is on sys.path).
-from train_compare_model import (
-    GPT,
-    adamw_groups,
-    loss_of,
-    muon_groups,
-    stdlib_corpus,
-    window_starts,
-    windows,
+from train_compare_model import GPT, loss_of, stdlib_corpus, window_starts, windows
+from train_compare_modes import (
+    DEFAULT_MODES,
+    FULL,
+    HYPER,
+    MODES,
+    TINY,
+    Mode,
+    build_optimizer,
+    describe,
+    lr_factor,
 )
 from train_compare_report import figure, table
-
-# Muon: dion's defaults (mu 0.95, no nesterov, adjust_lr "spectral_norm", weight decay 0.01)
-# with lr 0.02; its AdamW group (embeddings, head, norms) at 3e-3 without weight decay.
-MUON_LR, MUON_MU, MUON_WD, MUON_ADAMW_LR = 0.02, 0.95, 0.01, 3e-3
-ADAMW_LR, ADAMW_WD = 1e-3, 0.1
-BETAS = (0.9, 0.95)
-CLIP = 1.0
-WARMUP_FRACTION, LR_FLOOR = 0.05, 0.1  # linear warmup, then cosine down to 10% of the peak
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    optimizer: str  # "muon" or "adamw"; the ratio is to f"{optimizer}_fp32"
-    state_dtype: torch.dtype
-    gram: bool = False
-
-
-MODES = {
-    m.name: m
-    for m in (
-        Mode("muon_fp32", "muon", torch.float32),
-        Mode("muon_bf16", "muon", torch.bfloat16),
-        Mode("muon_int8", "muon", torch.int8),
-        Mode("muon_gram_fp32", "muon", torch.float32, gram=True),
-        Mode("adamw_fp32", "adamw", torch.float32),
-        Mode("adamw_bf16", "adamw", torch.bfloat16),
-        Mode("adamw_int8", "adamw", torch.int8),
-    )
-}
-# Run order: what issue 13 asks for first, so a run cut short still answers it.
-DEFAULT_MODES = (
-    "muon_fp32",
-    "muon_int8",
-    "adamw_fp32",
-    "adamw_int8",
-    "muon_bf16",
-    "adamw_bf16",
-    "muon_gram_fp32",
-)
-FULL = dict(
-    steps=2000,
-    batch=32,
-    seq=512,
-    dim=640,
-    layers=11,
-    heads=10,
-    eval_every=200,
-    val_batches=8,
-    final_window=100,
-    log_every=50,
-)
-TINY = dict(
-    steps=30,
-    batch=8,
-    seq=64,
-    dim=64,
-    layers=2,
-    heads=4,
-    eval_every=10,
-    val_batches=2,
-    final_window=10,
-    log_every=10,
-)
-
-
-def build_optimizer(mode: Mode, model: GPT, offload: bool):
-    common = dict(offload=offload, state_dtype=mode.state_dtype)
-    if mode.optimizer == "muon":
-        kwargs = dict(use_gram_newton_schulz=True) if mode.gram else {}
-        groups = muon_groups(model, MUON_ADAMW_LR)
-        return Muon(
-            groups, lr=MUON_LR, mu=MUON_MU, betas=BETAS, weight_decay=MUON_WD, **kwargs, **common
-        )
-    return AdamW(adamw_groups(model, ADAMW_WD), lr=ADAMW_LR, betas=BETAS, **common)
-
-
-def lr_factor(step: int, steps: int) -> float:
-    warmup = max(1, round(WARMUP_FRACTION * steps))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def sync(device: torch.device) -> None:
@@ -152,7 +73,7 @@ def evaluate(model: GPT, val: torch.Tensor, val_starts: torch.Tensor, a) -> floa
 def run_mode(mode: Mode, a, data: dict) -> dict:
     """Train one mode from the seeded init; the record of its losses, times and memory."""
     device = a.device
-    rec = {"optimizer": mode.optimizer, "state_dtype": str(mode.state_dtype), "gram": mode.gram}
+    rec = describe(mode)
     torch.manual_seed(a.seed)
     model = GPT(a.dim, a.layers, a.heads, a.seq).to(device)
     try:
@@ -180,7 +101,7 @@ def run_mode(mode: Mode, a, data: dict) -> dict:
                     g["lr"] = lr * lr_factor(s, a.steps)
                 loss = loss_of(model, windows(data["train"], data["starts"][s], a.seq), a.autocast)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), HYPER["clip"])
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 losses[s] = loss.detach()
@@ -253,6 +174,13 @@ def parser() -> argparse.ArgumentParser:
         help=f"comma-separated, run in this order; of {', '.join(MODES)}",
     )
     ap.add_argument("--seed", type=int, default=0, help="init and data order, for every mode")
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="seconds: a mode that would end past it (judged by the longest mode so far) is "
+        "skipped, so the run still ends with its table and figure; 0: no limit",
+    )
     ap.add_argument("--out", type=Path, default=Path("out/train_compare"), help="output folder")
     ap.add_argument(
         "--device",
@@ -271,6 +199,8 @@ def parse(argv: list[str] | None):
             setattr(a, key, value)
         if getattr(a, key) < 1:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
+    if a.dim % a.heads:
+        ap.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     unknown = [m for m in a.modes if m not in MODES]
     if unknown or not a.modes:
@@ -309,19 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         params = sum(p.numel() for p in GPT(a.dim, a.layers, a.heads, a.seq).parameters())
     tokens = a.batch * a.seq
     config = {k: getattr(a, k) for k in (*FULL, "seed", "modes", "offload", "autocast")}
+    config["time_limit_s"] = a.time_limit
     config.update(device=str(a.device), params=params, tokens_per_step=tokens)
-    config["hyper"] = dict(
-        muon_lr=MUON_LR,
-        muon_mu=MUON_MU,
-        muon_wd=MUON_WD,
-        muon_adamw_lr=MUON_ADAMW_LR,
-        adamw_lr=ADAMW_LR,
-        adamw_wd=ADAMW_WD,
-        betas=BETAS,
-        clip=CLIP,
-        warmup_fraction=WARMUP_FRACTION,
-        lr_floor=LR_FLOOR,
-    )
+    config["hyper"] = HYPER
     environment = {
         "device": machine.card(a.device),
         "driver": machine.driver_version(),
@@ -340,23 +260,35 @@ def main(argv: list[str] | None = None) -> int:
         f"(Python {corpus.info['python']} stdlib), loaded in {time.perf_counter() - t0:.1f} s"
     )
     result["setup_s"] = time.perf_counter() - t0
+    longest = 0.0  # the longest mode so far: what the next one is expected to take
     for i, name in enumerate(a.modes):
-        print(f"{name}:", flush=True)
-        rec = run_mode(MODES[name], a, data)
+        elapsed = time.perf_counter() - t0
+        if a.time_limit and elapsed + longest > a.time_limit:
+            rec = {
+                **describe(MODES[name]),
+                "status": "skipped",
+                "error": f"--time-limit {a.time_limit:.0f} s: {elapsed:.0f} s gone, a mode "
+                f"takes up to {longest:.0f} s",
+            }
+        else:
+            print(f"{name}:", flush=True)
+            rec = run_mode(MODES[name], a, data)
         result["modes"][name] = rec
+        if rec["status"] == "ok":
+            longest = max(longest, rec["wall_s"])
         result["wall_s"] = time.perf_counter() - t0
+        # The figure too after every mode: a run killed later still leaves one.
+        result["figure"] = figure(result, png_path)
         write_json(json_path, result)
         if rec["status"] != "ok":
             print(f"  {name}: {rec['status']}: {rec['error']}", flush=True)
         elif i + 1 < len(a.modes):
             left = len(a.modes) - i - 1
             print(
-                f"  {name}: {rec['wall_s']:.0f} s; the {left} modes left take about "
-                f"{left * rec['wall_s']:.0f} s more at this pace",
+                f"  {name}: {rec['wall_s']:.0f} s ({result['wall_s']:.0f} s in all); the {left} "
+                f"modes left take up to {left * longest:.0f} s more",
                 flush=True,
             )
-    result["figure"] = figure(result, png_path)
-    write_json(json_path, result)
     print(table(result))
     print(f"wrote {json_path} ({result['wall_s']:.0f} s in all)")
     return 0

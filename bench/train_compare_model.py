@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from muon_offload import muon_param_groups
+
 VOCAB = 256  # byte-level tokens
 INSTALLED = {"site-packages", "dist-packages"}
 
@@ -78,14 +80,16 @@ def windows(data: Tensor, starts: Tensor, seq: int) -> Tensor:
 
 
 class Block(nn.Module):
-    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). No biases; QKV packed in one
-    weight, which Muon orthogonalizes per block (split_sizes)."""
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). No biases; Q, K and V as three
+    weights, so Muon orthogonalizes each on its own."""
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.RMSNorm(dim, eps=1e-6)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.norm2 = nn.RMSNorm(dim, eps=1e-6)
         self.fc = nn.Linear(dim, 4 * dim, bias=False)
@@ -93,8 +97,11 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
-        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, t, head_dim]
+        h = self.norm1(x)
+        q, k, v = (
+            f(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for f in (self.q, self.k, self.v)
+        )  # each [b, heads, t, head_dim]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.norm2(x))))
@@ -140,18 +147,12 @@ def loss_of(model: GPT, tokens: Tensor, autocast: bool) -> Tensor:
 
 
 def muon_groups(model: GPT, adamw_lr: float) -> list[dict]:
-    """Muon (dion's keys) for the blocks' matrices, the packed QKV per block; AdamW for the
-    embeddings, the head and the norms (no weight decay on those)."""
-    dim = model.embed.embedding_dim
-    qkv = [b.qkv.weight for b in model.blocks]
-    matrices = [p for b in model.blocks for p in (b.proj.weight, b.fc.weight, b.out.weight)]
-    taken = {id(p) for p in qkv + matrices}
-    rest = [p for p in model.parameters() if id(p) not in taken]
-    return [
-        dict(params=matrices),
-        dict(params=qkv, split_sizes=(dim, dim, dim)),
-        dict(params=rest, algorithm="adamw", lr=adamw_lr, weight_decay=0.0),
-    ]
+    """``muon_param_groups``'s split: Muon (dion's keys) for the blocks' matrices; AdamW for
+    the embeddings, the position table and the head (named: in a plain torch model they are a
+    parameter and a Linear like any other) and the norms, without weight decay."""
+    return muon_param_groups(
+        model, adamw_lr=adamw_lr, adamw_weight_decay=0.0, adamw_params=("pos", "head.weight")
+    )
 
 
 def adamw_groups(model: GPT, weight_decay: float) -> list[dict]:

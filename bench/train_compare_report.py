@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 
 TARGET = 0.01  # issue 13: 8-bit state's final loss within 1% of fp32's
+# Overlapping curves stay visible: the state format sets the line style.
+STYLES = {"torch.float32": "-", "torch.bfloat16": "--", "torch.int8": ":"}
 PANELS = (("muon", "Muon (matrices) + AdamW (embeddings, head, norms)"), ("adamw", "AdamW only"))
 
 
@@ -73,8 +75,9 @@ def smooth(xs: list[float], window: int) -> np.ndarray:
 
 
 def figure(result: dict, path: Path) -> dict:
-    """Smoothed training losses (lines) and validation losses (dots), one panel per optimizer;
-    without matplotlib say so and draw nothing."""
+    """Top row: smoothed training losses (lines) and validation losses (dots), one panel per
+    optimizer. Bottom row: each smoothed curve against its optimizer's fp32 one, in percent,
+    with the +-1% target shaded. Without matplotlib say so and draw nothing."""
     try:
         import matplotlib
 
@@ -82,36 +85,52 @@ def figure(result: dict, path: Path) -> dict:
         import matplotlib.pyplot as plt
     except ImportError:
         return {"skipped": "matplotlib is not installed: no figure (pip install matplotlib)"}
-    cfg, env = result["config"], result["environment"]
+    cfg, env, modes = result["config"], result["environment"], result["modes"]
     window = max(1, cfg["steps"] // 40)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    tops, bottoms = [], []
-    for ax, (optimizer, title) in zip(axes, PANELS, strict=True):
-        for i, (name, rec) in enumerate(result["modes"].items()):
-            if rec["optimizer"] != optimizer or not rec.get("losses"):
+    smoothed = {n: smooth(r["losses"], window) for n, r in modes.items() if r.get("losses")}
+    fig, axes = plt.subplots(
+        2, 2, figsize=(13, 8), sharex="col", sharey="row", height_ratios=(3, 2), squeeze=False
+    )
+    tops, bottoms, spread = [], [], [4 * 100 * TARGET]
+    for col, (optimizer, title) in enumerate(PANELS):
+        top, bottom = axes[0, col], axes[1, col]
+        for i, (name, rec) in enumerate(modes.items()):
+            if rec["optimizer"] != optimizer or name not in smoothed:
                 continue
-            color = f"C{i}"
-            y = smooth(rec["losses"], window)
+            color, y = f"C{i}", smoothed[name]
+            style = "-." if rec["gram"] else STYLES.get(rec["state_dtype"], "-")
             r = ratio(result, name)
             label = name + ("" if r is None else f" (final {rec['final']:.4f}, x{r:.4f})")
-            ax.plot(np.arange(1, len(y) + 1), y, color=color, lw=1.2, label=label)
+            top.plot(np.arange(1, len(y) + 1), y, style, color=color, lw=1.2, label=label)
             if rec.get("val"):
                 steps, vals = zip(*rec["val"], strict=True)
-                ax.plot(steps, vals, "o", color=color, ms=3)
+                top.plot(steps, vals, "o", color=color, ms=3)
             finite = y[np.isfinite(y)]
             if finite.size:
                 bottoms.append(finite.min())
                 # The top of the view: past the first tenth of the run, where the modes differ.
                 tops.append(finite[len(finite) // 10 :].max())
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    axes[0].set_ylabel(f"train loss (nats/byte, mean of {window} steps); dots: validation")
+            ref = smoothed.get(reference(name, rec))
+            if ref is not None and name != reference(name, rec):
+                n = min(len(y), len(ref))
+                diff = 100 * (y[:n] / ref[:n] - 1)
+                bottom.plot(np.arange(1, n + 1), diff, style, color=color, lw=1)
+                late = np.abs(diff[n // 10 :])
+                spread.append(min(50.0, 1.1 * late[np.isfinite(late)].max(initial=0.0)))
+        top.set_title(title)
+        top.grid(alpha=0.3)
+        if top.get_legend_handles_labels()[0]:
+            top.legend(fontsize=8)
+        bottom.axhspan(-100 * TARGET, 100 * TARGET, color="0.9", zorder=0)
+        bottom.axhline(0, color="0.5", lw=0.8)
+        bottom.set_xlabel("step")
+        bottom.grid(alpha=0.3)
+    axes[0, 0].set_ylabel(f"train loss, nats/byte (mean of {window} steps); dots: validation")
+    axes[1, 0].set_ylabel(f"vs the fp32 run, % (shaded: +-{TARGET:.0%})")
     if tops:
         lo, hi = min(bottoms), max(tops)
-        axes[0].set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+        axes[0, 0].set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+    axes[1, 0].set_ylim(-max(spread), max(spread))  # at least +-4%, wider if a mode strays
     fig.suptitle(
         f"{cfg['params'] / 1e6:.1f} M-parameter byte-level GPT on the Python stdlib, "
         f"{cfg['steps']} steps x {cfg['tokens_per_step']:,} tokens; {env['device']}",
