@@ -1,10 +1,13 @@
-"""Symmetric batched products for the orthogonalizer: ``out = alpha X X^T (+ beta Y)``.
+"""Symmetric batched products for the orthogonalizers: ``out = alpha X W^T (+ beta Y) (+ d I)``.
 
-X is [B, M, K] with any strides, Y (optional) and ``out`` are [B, M, M]. The result is
-symmetric, so only the tiles on and below the diagonal are computed (T (T + 1) / 2 of T^2
-for T tiles a side) and each off-diagonal tile is also stored mirrored. Polar Express uses
-it twice an iteration: ``A = X X^T`` (K = n) and ``b A + c A A`` (X = A, K = M, Y = A:
-A A = A A^T because A is symmetric). Accumulation in fp32, one rounding to out's dtype.
+X and W (default X) are [B, M, K] with any strides, Y (optional) and ``out`` are [B, M, M].
+The result is symmetric (the caller's promise when W is not X), so only the tiles on and
+below the diagonal are computed (T (T + 1) / 2 of T^2 for T tiles a side) and each
+off-diagonal tile is also stored mirrored. Polar Express uses it twice an iteration:
+``A = X X^T`` (K = n) and ``b A + c A A`` (X = A, K = M, Y = A: A A = A A^T because A is
+symmetric). Gram Newton-Schulz multiplies polynomials of one Gram matrix, which commute, so
+their products are symmetric too (W = the second factor, symmetric, so W^T = W), and adds
+``a I`` on the diagonal. Accumulation in fp32, one rounding to out's dtype.
 
 ``sym_gram`` is the Triton launcher, ``sym_gram_reference`` the torch version it matches.
 """
@@ -16,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import TUNER, Config, bench_ms, bucket, dtype_name
+from ._launch import TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
 # Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles
@@ -38,6 +41,7 @@ MAX_GRID_Y = 65535
 @triton.jit
 def _sym_gram_kernel(
     x,  # [B, M, K]
+    w,  # [B, M, K], the second factor (x itself for a Gram matrix)
     y,  # [B, M, M], read only when HAS_Y
     out,  # [B, M, M]
     b_start,  # index of the matrix that grid row 0 computes
@@ -46,6 +50,9 @@ def _sym_gram_kernel(
     stride_xb,
     stride_xm,
     stride_xk,
+    stride_wb,
+    stride_wm,
+    stride_wk,
     stride_yb,
     stride_ym,
     stride_yn,
@@ -54,7 +61,10 @@ def _sym_gram_kernel(
     stride_on,
     alpha,
     beta,
+    diag,
     HAS_Y: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    SYMMETRIZE: tl.constexpr,  # diagonal tiles: upper half = the lower half, mirrored
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -73,9 +83,10 @@ def _sym_gram_kernel(
     r_j = j * BLOCK + tl.arange(0, BLOCK)
     o_k = tl.arange(0, BLOCK_K)
     x += i_b * stride_xb
+    w += i_b * stride_wb
     # Rows past M wrap onto valid rows (no load masks); their results are never stored.
     p_a = x + (r_i % M)[:, None] * stride_xm + o_k[None, :] * stride_xk
-    p_b = x + (r_j % M)[:, None] * stride_xm + o_k[None, :] * stride_xk
+    p_b = w + (r_j % M)[:, None] * stride_wm + o_k[None, :] * stride_wk
 
     b_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
@@ -88,13 +99,20 @@ def _sym_gram_kernel(
             b_b = tl.load(p_b, mask=k_mask, other=0.0)
         b_acc = tl.dot(b_a, tl.trans(b_b), b_acc, input_precision=PRECISION)
         p_a += BLOCK_K * stride_xk
-        p_b += BLOCK_K * stride_xk
+        p_b += BLOCK_K * stride_wk
 
     mask = (r_i[:, None] < M) & (r_j[None, :] < M)
     b_acc *= alpha
     if HAS_Y:
         p_y = y + i_b * stride_yb + r_i[:, None] * stride_ym + r_j[None, :] * stride_yn
         b_acc += beta * tl.load(p_y, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DIAG:  # true only on the diagonal tiles' diagonals
+        b_acc += tl.where(r_i[:, None] == r_j[None, :], diag, 0.0)
+    if SYMMETRIZE:  # noqa: SIM102 (a constexpr and a runtime test: two ifs for Triton)
+        # x_r . w_c and x_c . w_r round differently when w is not x: without this the
+        # asymmetry compounds through products that read only the lower tiles.
+        if i == j:
+            b_acc = tl.where(r_i[:, None] >= r_j[None, :], b_acc, tl.trans(b_acc))
     b_c = b_acc.to(out.dtype.element_ty)
     out += i_b * stride_ob
     tl.store(out + r_i[:, None] * stride_om + r_j[None, :] * stride_on, b_c, mask=mask)
@@ -104,7 +122,17 @@ def _sym_gram_kernel(
         tl.store(p_t, tl.trans(b_c), mask=mask_t)
 
 
-def _launch(x: Tensor, y: Tensor | None, out: Tensor, alpha, beta, config: Config) -> None:
+def _launch(
+    x: Tensor,
+    w: Tensor,
+    y: Tensor | None,
+    out: Tensor,
+    alpha,
+    beta,
+    diag,
+    symmetrize: bool,
+    config: Config,
+) -> None:
     batch, m, k = x.shape
     tiles = triton.cdiv(m, config.block)
     y_arg = y if y is not None else out
@@ -112,17 +140,22 @@ def _launch(x: Tensor, y: Tensor | None, out: Tensor, alpha, beta, config: Confi
     for start in range(0, batch, MAX_GRID_Y):
         _sym_gram_kernel[(tiles * (tiles + 1) // 2, min(batch - start, MAX_GRID_Y))](
             x,
+            w,
             y_arg,
             out,
             start,
             m,
             k,
             *x.stride(),
+            *w.stride(),
             *y_arg.stride(),
             *out.stride(),
             alpha,
             beta,
+            diag,
             HAS_Y=y is not None,
+            HAS_DIAG=diag != 0.0,
+            SYMMETRIZE=symmetrize,
             EVEN_K=k % config.chunk == 0,
             PRECISION=precision,
             BLOCK=config.block,
@@ -135,17 +168,24 @@ def _launch(x: Tensor, y: Tensor | None, out: Tensor, alpha, beta, config: Confi
 def sym_gram(
     x: Tensor,
     *,
+    w: Tensor | None = None,
     alpha: float = 1.0,
     y: Tensor | None = None,
     beta: float = 0.0,
+    diag: float = 0.0,
+    symmetrize: bool = False,
     out: Tensor | None = None,
 ) -> Tensor:
-    """``out = alpha x x^T + beta y`` for a batch x [B, M, K] (any strides); ``y`` [B, M, M]
-    must be symmetric (only its lower tiles are read). ``out`` [B, M, M], any strides, must
-    not overlap x or y. Returns out."""
+    """``out = alpha x w^T + beta y + diag I`` for a batch x [B, M, K] (any strides) and
+    ``w`` like x (default: x itself), where ``x w^T`` is symmetric; ``y`` [B, M, M] must be
+    symmetric (only its lower tiles are read). ``out`` [B, M, M], any strides, must not
+    overlap x, w or y. Returns out, its lower triangle mirrored (symmetric bit for bit) when
+    ``w`` is given or ``symmetrize``."""
     if x.ndim != 3:
         raise ValueError(f"expected x [B, M, K], got shape {tuple(x.shape)}")
     batch, m, k = x.shape
+    if w is not None and (w.shape != x.shape or w.dtype != x.dtype or w.device != x.device):
+        raise ValueError(f"w must be [{batch}, {m}, {k}] {x.dtype} on {x.device}")
     if out is None:
         out = torch.empty(batch, m, m, dtype=x.dtype, device=x.device)
     for name, t in (("out", out), ("y", y)):
@@ -154,32 +194,64 @@ def sym_gram(
     if batch * m == 0:
         return out
     if k == 0:
-        return out.copy_(y * beta) if y is not None else out.zero_()
+        out.copy_(y * beta) if y is not None else out.zero_()
+        out.diagonal(dim1=-2, dim2=-1).add_(diag)
+        return out
+    symmetrize = symmetrize or w is not None
+    # The config sets the order of the fp32 sums, so it depends on the shape and layout
+    # only, never on the batch: a matrix gets the same bits in any batch.
     key = (
         dtype_name(x.dtype),
         dtype_name(out.dtype),
         m,
         bucket(k),
-        bucket(batch),
         x.stride(-1) == 1,  # rows contiguous, or a transposed view
+        None if w is None else w.stride(-1) == 1,
         y is not None,
+        symmetrize,
     )
 
     def bench(config: Config) -> float:
-        # Reads x and y, writes only a scratch output: safe to time on the caller's inputs.
-        scratch = torch.empty_like(out)
-        return bench_ms(lambda: _launch(x, y, scratch, alpha, beta, config))
+        # Scratch inputs of a batch fixed by the shape (same layouts), scratch output.
+        n = tuning_batch(m * max(k, m))
+        sx = _scratch(x, n)
+        sw = sx if w is None else _scratch(w, n)
+        sy = None if y is None else _scratch(y, n)
+        so = torch.empty(n, m, m, dtype=out.dtype, device=out.device)
+        return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config))
 
     config = TUNER.choose("sym_gram", key, GRAM_CONFIGS, GRAM_INTERPRETER_CONFIG, x.device, bench)
-    _launch(x, y, out, float(alpha), float(beta), config)
+    w = x if w is None else w
+    _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config)
     return out
 
 
+def _scratch(t: Tensor, batch: int) -> Tensor:
+    """Random [batch, *t.shape[1:]] with t's dtype and the layout of its last two dims."""
+    shape = (batch, *t.shape[1:])
+    s = torch.randn(shape, device=t.device).div_(t.shape[-1] ** 0.5).to(t.dtype)
+    if t.stride(-1) != 1 and t.stride(-2) == 1:
+        s = s.mT.contiguous().mT
+    return s
+
+
 def sym_gram_reference(
-    x: Tensor, *, alpha: float = 1.0, y: Tensor | None = None, beta: float = 0.0
+    x: Tensor,
+    *,
+    w: Tensor | None = None,
+    alpha: float = 1.0,
+    y: Tensor | None = None,
+    beta: float = 0.0,
+    diag: float = 0.0,
+    symmetrize: bool = False,
 ) -> Tensor:
-    """The same in fp32 (one rounding to x's dtype at the end)."""
-    acc = alpha * (x.float() @ x.float().mT)
+    """The same in fp32 (one rounding to x's dtype at the end); the lower triangle mirrored
+    when ``w`` is given or ``symmetrize``."""
+    acc = alpha * (x.float() @ (x if w is None else w).float().mT)
     if y is not None:
         acc = acc + beta * y.float()
+    if diag:
+        acc = acc + diag * torch.eye(x.size(-2), device=x.device)
+    if symmetrize or w is not None:
+        acc = acc.tril() + acc.tril(-1).mT
     return acc.to(x.dtype)

@@ -31,17 +31,13 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
+from .sumsq import LOG2_SUMSQ_BLOCK, SUMSQ_BLOCK, SUMSQ_CHUNK, groups_for, sum_partials, tree_sum
 
-# prep: ``chunk`` elements of one matrix per program. A 768x2048 matrix is 1.5 Mi elements:
-# 32 Ki chunks give 48 programs per matrix, so even a batch of 4 fills the 132 SMs.
-PREP_CONFIGS = (
-    Config(block=2048, chunk=32768, num_warps=8),
-    Config(block=1024, chunk=16384, num_warps=4),
-    Config(block=4096, chunk=32768, num_warps=8),
-    Config(block=2048, chunk=8192, num_warps=8),
-    Config(block=4096, chunk=131072, num_warps=16),
-)
-PREP_INTERPRETER_CONFIG = Config(block=256, chunk=1024, num_warps=4)
+# prep: one group of the sum of squares (``sumsq.py``) per program, ``SUMSQ_BLOCK`` lanes:
+# the tiles are the sum's order, fixed, so only the warps are tuned. A 768x2048 matrix is
+# 1.5 Mi elements: 32 Ki groups give 48 programs per matrix, so a batch of 4 fills 132 SMs.
+PREP_CONFIGS = tuple(Config(block=SUMSQ_BLOCK, chunk=SUMSQ_CHUNK, num_warps=w) for w in (8, 4, 16))
+PREP_INTERPRETER_CONFIG = PREP_CONFIGS[0]
 
 # apply: 2-D tiles of block_m x block (rows x columns) so a transposed update view is read
 # along its contiguous dimension and the parameter along its own.
@@ -78,8 +74,9 @@ def _muon_prep_kernel(
     M_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     NESTEROV: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr,  # SUMSQ_CHUNK and SUMSQ_BLOCK: sumsq.py's order
     BLOCK: tl.constexpr,
+    LOG2_BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
     i_c = tl.program_id(0).to(tl.int64)
@@ -103,7 +100,7 @@ def _muon_prep_kernel(
         mask = offs < tail
         u = _prep_tile(m_ptr, g_ptr, u_ptr, n_full * BLOCK + offs, mask, mu, NESTEROV)
         acc += tl.where(mask, u * u, 0.0)
-    tl.store(partial + i_b * chunks + i_c, tl.sum(acc, axis=0))
+    tl.store(partial + i_b * chunks + i_c, tree_sum(acc, LOG2_BLOCK))
 
 
 @triton.jit
@@ -164,7 +161,7 @@ def _check_matrices(names, lists) -> int:
 def _prep_launch(momentums, grads, mu, nesterov, out, partial, config: Config) -> None:
     batch = len(momentums)
     numel = momentums[0].numel()
-    chunks = triton.cdiv(numel, config.chunk)
+    chunks = groups_for(numel)
     _muon_prep_kernel[(chunks, batch)](
         _table("muon_prep", (momentums, grads)),
         out,
@@ -175,8 +172,9 @@ def _prep_launch(momentums, grads, mu, nesterov, out, partial, config: Config) -
         triton_dtype(momentums[0].dtype),
         triton_dtype(grads[0].dtype),
         NESTEROV=nesterov,
-        CHUNK=config.chunk,
-        BLOCK=config.block,
+        CHUNK=SUMSQ_CHUNK,
+        BLOCK=SUMSQ_BLOCK,
+        LOG2_BLOCK=LOG2_SUMSQ_BLOCK,
         ALIGNED=all_aligned((momentums, grads)),
         num_warps=config.num_warps,
         # mu*M + G rounded after the product, as the reference's separate mul_ and add_:
@@ -195,9 +193,10 @@ def muon_prep(
     sumsq: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused momentum update + update matrix + sum of squares for a batch of same-shape
-    matrices, in one launch (plus a [B, chunks] -> [B] sum). Same math as
+    matrices, in one launch (plus a [B, groups] -> [B] sum). Same math as
     ``muon_prep_reference``: U rounded to nearest even once; ``sumsq`` sums the stored
-    values. ``out`` must be contiguous [B, m, n] (bf16 unless the caller wants otherwise)."""
+    values in ``sumsq.py``'s order, bit for bit ``sum_squares(out)`` whatever the batch.
+    ``out`` must be contiguous [B, m, n] (bf16 unless the caller wants otherwise)."""
     batch = _check_matrices(("momentums", "grads"), (momentums, grads))
     shape = momentums[0].shape
     device = momentums[0].device
@@ -217,23 +216,22 @@ def muon_prep(
         dtype_name(momentums[0].dtype),
         dtype_name(grads[0].dtype),
         dtype_name(out.dtype),
-        bucket(numel),
-        bucket(batch),
+        bucket(numel),  # no batch: the configs differ in warps only, never in results
         bool(nesterov),
     )
 
     def bench(config: Config) -> float:
         scratch_m, scratch_g = scratch_like(momentums), scratch_like(grads)
         scratch_out = torch.empty_like(out)
-        part = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+        part = torch.empty(batch, groups_for(numel), device=device)
         return bench_ms(
             lambda: _prep_launch(scratch_m, scratch_g, mu, nesterov, scratch_out, part, config)
         )
 
     config = TUNER.choose("muon_prep", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
-    partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+    partial = torch.empty(batch, groups_for(numel), device=device)
     _prep_launch(momentums, grads, float(mu), bool(nesterov), out, partial, config)
-    torch.sum(partial, dim=1, out=sumsq)
+    sum_partials(partial, sumsq)
     return out, sumsq
 
 

@@ -1,4 +1,5 @@
-"""Orthogonalization of a batch of bf16 matrices: Polar Express and quintic Newton-Schulz.
+"""Orthogonalization of a batch of bf16 matrices: Polar Express, quintic Newton-Schulz, and
+Gram Newton-Schulz (``gram_newton_schulz.py``: the same steps carried on X X^T).
 
 Input: U [B, m, n] bf16 and, when the caller has it, each matrix's sum of squares
 [B] fp32 (the Muon prep kernel produces it, so the normalization needs no extra pass).
@@ -9,18 +10,26 @@ rounded once. The two symmetric products (A, and b A + c A A) run either on batc
 on and below the diagonal; ``X <- a X + B X`` on cuBLAS ``baddbmm`` or on the Triton kernel
 of ``poly_apply.py``, which writes into two buffers in turn (the scaled input is one of them
 when it is contiguous).
+
+A matrix's result does not depend on the batch it came in: on CUDA every choice (the
+products' path, each kernel's config, the order of the norm's sum) follows from the
+matrix's shape, dtype and layout, and no cuBLAS call (whose algorithm follows the batch
+count) runs on 16-bit batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .gram import sym_gram
+from .gram_newton_schulz import GRAM_NS_COEFFS, GRAM_NS_RESETS, gram_newton_schulz, work_dtype
 from .normalize import normalize, normalize_reference
 from .poly_apply import poly_apply
+from .sumsq import sum_squares, sum_squares_reference
 
 # Polar Express (Amsel et al., arXiv:2505.16932), num_iters=5, safety factor 2e-2, cushion 2:
 # the coefficients dion ships. They assume the input was divided by ``norm * 1.02 + eps``.
@@ -43,9 +52,19 @@ NEWTON_SCHULZ5_COEFFS = (
     (2.8366, -3.0525, 1.2012),
 )
 
+
+@dataclass(frozen=True)
+class Method:
+    coeffs: tuple
+    norm_scale: float  # the input is divided by ``norm * norm_scale + eps``
+    # Gram Newton-Schulz (its iterations that restart from X), None for the iteration on X.
+    gram_resets: tuple[int, ...] | None = None
+
+
 ORTHOGONALIZERS = {
-    "polar_express": (POLAR_EXPRESS_COEFFS, POLAR_EXPRESS_NORM_SCALE),
-    "newton_schulz5": (NEWTON_SCHULZ5_COEFFS, 1.0),
+    "polar_express": Method(POLAR_EXPRESS_COEFFS, POLAR_EXPRESS_NORM_SCALE),
+    "newton_schulz5": Method(NEWTON_SCHULZ5_COEFFS, 1.0),
+    "gram_newton_schulz": Method(GRAM_NS_COEFFS, 1.0, GRAM_NS_RESETS),
 }
 
 # A user-supplied orthogonalizer, dion's signature: ``func(U, epsilon=eps) -> Tensor``.
@@ -54,49 +73,17 @@ OrthogonalizerFn = Callable[..., Tensor]
 
 # Which products run on Triton: "triton" is the two symmetric ones, "triton_gram" /
 # "triton_poly" one of them, "triton_apply" only X <- a X + B X, "triton_all" all three.
+# (Gram Newton-Schulz: "gram" is R = X X^T, "poly" its m x m products, "apply" Q X.)
 PRODUCTS = ("cublas", "triton", "triton_gram", "triton_poly", "triton_apply", "triton_all")
 
 
-# Measured on one H200 (2026-11-29, torch 2.11 + cu130, triton 3.6; bench/orthogonalize.py,
-# do_bench medians, whole 5-iteration Polar Express, bf16), cuBLAS -> both products on Triton,
-# over two runs (three rounds; the spread between rounds is up to 9%):
-#   128 x 768x2048                9.00 to 9.85 -> 7.77 to 8.07 ms
-#   128 x 768x2048 on a .mT view  9.91 to 10.01 -> 8.84 to 9.76 ms (the experts' down proj.)
-#   16 x 768x2048                 1.20 to 1.21 -> 1.09 to 1.16 ms
-#   6 x 2048x4096                 4.88 -> 4.03 ms
-#   12 x 512x2048                 0.58 -> 1.09 ms;  48 x 128x2048  0.59 -> 0.67 ms
-# Alone, X X^T is 1.33x faster (0.453 -> 0.339 ms, 128 x 768x2048) and b A + c A A 1.72x
-# (0.292 -> 0.170 ms). The small batches lose to the host cost of the launches (the products
-# themselves take 20 to 30 us there). The outputs were bit-identical to cuBLAS's on all six.
-# So: Triton from m = 768 and at least the work of the smallest measured win, 16 x 768x2048.
-#
-# X <- a X + B X, timed alone the same day (same card and versions, one run), cuBLAS baddbmm
-# -> poly_apply: 0.744 -> 0.663 ms (128 x 768x2048; 0.576 to 0.61 in the tuner and a sweep:
-# baddbmm copies X into its output before the product, bmm alone takes 0.44), 1.753 -> 0.702
-# (the same on a .mT view: cuBLAS is slow on it), 0.102 -> 0.081 (16 x 768x2048), 0.383 ->
-# 0.351 (6 x 2048x4096), 0.049 -> 0.036 (12 x 512x2048), 0.041 -> 0.027 (48 x 128x2048).
-# Within 1.3e-5 relative RMS of cuBLAS's (rounding flips; both 1.6e-3 from float64). The whole
-# Polar Express, "triton" (the symmetric products) -> "triton_all" (all three), two rounds:
-#   128 x 768x2048                7.89 to 7.90 -> 7.42 to 8.15 ms (auto and triton_all rounds)
-#   128 x 768x2048 on a .mT view  8.74 to 9.42 -> 7.44 to 7.50 ms
-#   16 x 768x2048                 1.11 to 1.24 -> 1.06 to 1.29 ms (noise; alone it wins 20%)
-#   6 x 2048x4096                 3.91 -> 3.83 to 3.84 ms
-# (cuBLAS throughout: 9.09 to 9.11, 9.96 to 10.08, 1.21 to 1.22, 4.89 to 5.03 ms.) The
-# result differs from cuBLAS's by 0.4% to 0.6% relative RMS after the five iterations, with the
-# same error against float64 (1.07%, 1.10%, 1.07%, 0.92%). The small batches stay on cuBLAS:
-# poly_apply's launch costs more host time than the product (0.84 to 1.20 ms against 0.57 to
-# 0.81 for 12 x 512x2048). So: all three products on Triton where the symmetric ones are.
-TRITON_MIN_ROWS = 768
-TRITON_MIN_WORK = 16 * 768 * 768 * 2048  # batch * m^2 * n
-
-
 def products_for(x: Tensor) -> str:
-    """The path of the products for a CUDA batch x [B, m, n] (m <= n, the orientation the
-    iteration runs in): the faster one measured (numbers above)."""
-    batch, m, n = x.shape
-    if x.dtype == torch.bfloat16 and m >= TRITON_MIN_ROWS and batch * m * m * n >= TRITON_MIN_WORK:
-        return "triton_all"
-    return "cublas"
+    """The path of the products for a CUDA batch x [B, m, n] (m <= n): from its dtype alone,
+    never its size, so that a matrix gets the same bits in a batch of any size (cuBLAS picks
+    its algorithm from the batch count too). Triton for 16-bit batches: as fast or faster
+    than cuBLAS from 16 x 768x2048 up, 1.1 to 1.5x slower on the small ones (12 x 512x2048,
+    48 x 128x2048: launch costs), which are 2 of a resident step's ~33 batches."""
+    return "triton_all" if x.dtype in (torch.bfloat16, torch.float16) else "cublas"
 
 
 def orthogonalize(
@@ -130,25 +117,52 @@ def orthogonalize_on(
         raise ValueError(f"products must be 'auto' or one of {PRODUCTS}, got {products!r}")
     if callable(method):
         return method(update, epsilon=eps)
-    coeffs, norm_scale = ORTHOGONALIZERS[method]
+    spec = ORTHOGONALIZERS[method]
 
     tall = update.size(-2) > update.size(-1)
     x = update.mT if tall else update
+    kernels = x.is_cuda or products != "cublas"  # the CPU runs them only when asked
     if sumsq is None:
-        sumsq = x.float().square().sum(dim=(-2, -1))
+        # The kernel's order is the prep kernel's, fixed per shape: the same bits as a
+        # sumsq handed over by prep, and in any batch.
+        sumsq = sum_squares(x) if kernels else sum_squares_reference(x)
     if products == "auto":
         products = products_for(x) if x.is_cuda else "cublas"
+    tri_gram = products in ("triton", "triton_gram", "triton_all")
+    tri_poly = products in ("triton", "triton_poly", "triton_all")
+    tri_apply = products in ("triton_apply", "triton_all")
+    if spec.gram_resets is not None:
+        # fp32 scale, one rounding into the working dtype (fp16 for 16-bit input).
+        x = (normalize if kernels else normalize_reference)(
+            x, sumsq, norm_scale=1.0, eps=eps, out_dtype=work_dtype(x.dtype), round_scale=False
+        )
+        if x.size(-2) < x.size(-1):
+            x = gram_newton_schulz(
+                x,
+                coeffs=spec.coeffs,
+                resets=spec.gram_resets,
+                tri_gram=tri_gram,
+                tri_poly=tri_poly,
+                tri_apply=tri_apply,
+                out_dtype=update.dtype,
+            )
+        else:  # square: nothing to gain, the iteration on X (as the package does)
+            x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply).to(update.dtype)
+        return x.mT if tall else x
     # One bf16 multiply per element (fp32 inside, one rounding): no fp32 copy of the batch.
     # The kernel and the torch expression round alike; the kernel runs on CUDA, and on the
     # CPU (interpreter) when a Triton path is asked for. Its output is a fresh tensor, which
     # poly_apply's buffer rotation below may write into.
-    if x.dtype == torch.bfloat16 and (x.is_cuda or products != "cublas"):
-        x = normalize(x, sumsq, norm_scale=norm_scale, eps=eps)
+    if x.dtype == torch.bfloat16 and kernels:
+        x = normalize(x, sumsq, norm_scale=spec.norm_scale, eps=eps)
     else:
-        x = normalize_reference(x, sumsq, norm_scale=norm_scale, eps=eps)
-    tri_gram = products in ("triton", "triton_gram", "triton_all")
-    tri_poly = products in ("triton", "triton_poly", "triton_all")
-    tri_apply = products in ("triton_apply", "triton_all")
+        x = normalize_reference(x, sumsq, norm_scale=spec.norm_scale, eps=eps)
+    x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply)
+    return x.mT if tall else x
+
+
+def _iterate(x: Tensor, coeffs, tri_gram: bool, tri_poly: bool, tri_apply: bool) -> Tensor:
+    """X <- a X + (b A + c A A) X with A = X X^T, per coefficient triple, on x [B, m, n]."""
     m = x.size(-2)
     gram_buf = x.new_empty(x.size(0), m, m) if tri_gram else None
     poly_buf = x.new_empty(x.size(0), m, m) if tri_poly else None
@@ -167,4 +181,4 @@ def orthogonalize_on(
             x = poly_apply(poly, x, alpha=a, out=out)
         else:
             x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
-    return x.mT if tall else x
+    return x

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import TUNER, Config, bench_ms, bucket, dtype_name
-from .gram import MAX_GRID_Y
+from ._launch import TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
+from .gram import MAX_GRID_Y, _scratch
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
 # Measured on the H200 (bench/orthogonalize.py and a sweep, 2026-11-29): 128 x 256 tiles with
@@ -62,6 +62,7 @@ def _poly_apply_kernel(
     stride_om,
     stride_on,
     alpha,
+    ADD_X: tl.constexpr,  # alpha != 0 (Gram Newton-Schulz's Q X has no X term)
     EVEN: tl.constexpr,  # M and N multiples of the tile, M of the K step: no masks
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -100,11 +101,13 @@ def _poly_apply_kernel(
     p_x = x + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
     p_o = out + r_m[:, None] * stride_om + r_n[None, :] * stride_on
     if EVEN:
-        b_acc += alpha * tl.load(p_x).to(tl.float32)
+        if ADD_X:
+            b_acc += alpha * tl.load(p_x).to(tl.float32)
         tl.store(p_o, b_acc.to(out.dtype.element_ty))
     else:
         mask = (r_m[:, None] < M) & (r_n[None, :] < N)
-        b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
+        if ADD_X:
+            b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
         tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -130,6 +133,7 @@ def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) 
             *x.stride(),
             *out.stride(),
             alpha,
+            ADD_X=alpha != 0.0,
             EVEN=even,
             PRECISION=precision,
             BLOCK_M=config.block_m,
@@ -148,8 +152,9 @@ def _span(t: Tensor) -> tuple[int, int]:
 
 def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | None = None) -> Tensor:
     """``out = alpha x + poly @ x`` for a batch x [B, M, N] (any strides) and a symmetric
-    ``poly`` [B, M, M] of x's dtype. ``out`` [B, M, N], any strides, must not overlap x or
-    poly (the kernel reads x again after other tiles are written). Returns out."""
+    ``poly`` [B, M, M] of x's dtype (``alpha = 0``: x is not read again, not even a NaN).
+    ``out`` [B, M, N], any strides and float dtype, must not overlap x or poly (the kernel
+    reads x again after other tiles are written). Returns out."""
     if x.ndim != 3:
         raise ValueError(f"expected x [B, M, N], got shape {tuple(x.shape)}")
     batch, m, n = x.shape
@@ -171,14 +176,17 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         dtype_name(out.dtype),
         m,
         bucket(n),
-        bucket(batch),
         x.stride(-1) == 1,  # rows contiguous, or a transposed view
-    )
+        poly.stride(-1) == 1,
+        alpha != 0.0,
+    )  # never the batch: the config sets the order of the sums, so a matrix's bits
 
     def bench(config: Config) -> float:
-        # Reads poly and x, writes only a scratch output: safe to time on the caller's inputs.
-        scratch = torch.empty_like(out)
-        return bench_ms(lambda: _launch(poly, x, scratch, alpha, config))
+        # Scratch inputs of a batch fixed by the shape (same layouts), scratch output.
+        n_batch = tuning_batch(m * n)
+        sp, sx = _scratch(poly, n_batch), _scratch(x, n_batch)
+        so = torch.empty(n_batch, m, n, dtype=out.dtype, device=out.device)
+        return bench_ms(lambda: _launch(sp, sx, so, alpha, config))
 
     configs = POLY_APPLY_FP32_CONFIGS if x.element_size() > 2 else POLY_APPLY_CONFIGS
     config = TUNER.choose(
@@ -188,6 +196,11 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
     return out
 
 
-def poly_apply_reference(poly: Tensor, x: Tensor, *, alpha: float = 1.0) -> Tensor:
-    """The same in fp32 (one rounding to x's dtype at the end)."""
-    return (alpha * x.float() + poly.float() @ x.float()).to(x.dtype)
+def poly_apply_reference(
+    poly: Tensor, x: Tensor, *, alpha: float = 1.0, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """The same in fp32 (one rounding to out_dtype, default x's, at the end)."""
+    acc = poly.float() @ x.float()
+    if alpha != 0.0:
+        acc = alpha * x.float() + acc
+    return acc.to(out_dtype or x.dtype)
