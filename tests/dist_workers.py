@@ -359,3 +359,230 @@ def dcp_resume(rank, world, port, path):
         for key, value in resumed_opt.state[a].items():
             assert torch.equal(_local(value), _local(straight_opt.state[b][key])), key
     _finish()
+
+
+# ---------------------------------------------------------------- rank agreement (issue 14.9)
+# Every rank of a mesh must step the same parameters: muon_offload/rank_agreement.py.
+
+
+def _agreement_message(call):
+    try:
+        call()
+    except ValueError as err:
+        return str(err)
+    raise AssertionError("the ranks disagreed and nothing was raised")
+
+
+def agreement_direct(rank, world, port):
+    """StepAgreement on a gloo mesh: agreeing lists pass; a position missing on the last rank
+    raises on every rank, naming that position's parameter and the ranks."""
+    from muon_offload.rank_agreement import StepAgreement, fingerprint
+
+    init(rank, world, port)
+    from muon_offload.distributed import resolve_mesh
+
+    agreement = StepAgreement(resolve_mesh(dist.group.WORLD))
+    assert agreement.group is dist.group.WORLD  # gloo already: reused, no new group
+    names = {i: f"parameter #{i}" for i in range(10)}
+    for stepping in ([], [0], [0, 1, 2, 5, 9], list(range(10))):
+        agreement.check(stepping, names.__getitem__)
+    # The fingerprint is the same in every process (Python's hash() is salted per process).
+    everyone = [None] * world
+    dist.all_gather_object(everyone, fingerprint([0, 3, 7]))
+    assert len(set(everyone)) == 1, everyone
+    last = world - 1
+    stepping = [0, 1, 2, 5, 9] if rank != last else [0, 1, 5, 9]
+    message = _agreement_message(lambda: agreement.check(stepping, names.__getitem__))
+    have = ", ".join(map(str, range(last)))
+    assert message.startswith(f"parameter #2 has a gradient on rank{'s' if last > 1 else ''} "), (
+        message
+    )
+    assert f" {have} but not on rank {last} " in message, message
+    # Extra on one rank only: the first differing position is named (7, not 9).
+    stepping = [0, 7, 9] if rank == 0 else [0, 9]
+    message = _agreement_message(lambda: agreement.check(stepping, names.__getitem__))
+    assert message.startswith("parameter #7 has a gradient on rank 0 but not on rank"), message
+    # Still paired after the errors.
+    agreement.check([1, 2], names.__getitem__)
+
+    # The optimizer's side: one agreement per mesh; positions run over the mesh's groups in
+    # turn (a group without a mesh takes no part); the error names group and parameter.
+    from muon_offload.distributed import LOCAL
+    from muon_offload.rank_agreement import StepAgreements
+
+    world_mesh = resolve_mesh(dist.group.WORLD)
+    groups = [dict(params=[torch.zeros(2, 3) for _ in range(2)]) for _ in range(3)]
+    meshes = [world_mesh, LOCAL, world_mesh]
+    agreements = StepAgreements()
+    agreements.add(groups, meshes.__getitem__)
+    for g in groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    groups[1]["params"][0].grad = None  # no mesh: not compared
+    agreements.check(groups, meshes.__getitem__)
+    if rank == last:
+        groups[2]["params"][1].grad = None
+    message = _agreement_message(lambda: agreements.check(groups, meshes.__getitem__))
+    assert message.startswith("param group 2 (parameter 1 of the group, of shape (2, 3)) has"), (
+        message
+    )
+    _finish()
+
+
+def agreement_twins(rank, world, port):
+    """Meshes whose groups have no gloo backend get a gloo twin over the same ranks, made
+    collectively over the WORLD even though each rank's groups differ (dp groups {0,1} and
+    {2,3}, ep groups {0,2} and {1,3}). Forced here on gloo groups by hiding their backend."""
+    from muon_offload import rank_agreement
+    from muon_offload.distributed import resolve_mesh
+
+    mesh2d = init(rank, world, port, (2, world // 2), ("dp", "ep"))
+    rank_agreement._has_cpu_gloo = lambda group: False
+    dp, ep = resolve_mesh(mesh2d["dp"]), resolve_mesh(mesh2d["ep"])
+    agree_dp = rank_agreement.StepAgreement(dp)
+    agree_ep = rank_agreement.StepAgreement(ep)
+    for mesh, agreement in ((dp, agree_dp), (ep, agree_ep)):
+        assert agreement.group is not mesh.group
+        assert dist.get_backend(agreement.group) == "gloo"
+        assert agreement.ranks == sorted(dist.get_process_group_ranks(mesh.group))
+    # Cached: a second optimizer on the same mesh makes no group and needs no collective.
+    assert rank_agreement.StepAgreement(ep).group is agree_ep.group
+    names = str
+    assert agree_dp.disagreement([0, 1], names) is None
+    # The ep group holding the last rank disagrees; the other ep group and the dp groups agree.
+    last = world - 1
+    ep_stepping = [0, 1] if rank != last else [1]
+    message = agree_ep.disagreement(ep_stepping, names)
+    last_ep_group = dist.get_process_group_ranks(ep.group)
+    if last in last_ep_group:
+        others = [r for r in last_ep_group if r != last]
+        assert message.startswith(f"0 has a gradient on rank {others[0]} but not on rank {last}")
+    else:
+        assert message is None, message
+    assert agree_dp.disagreement([3], names) is None  # still paired
+    _finish()
+
+
+def agreement_cost(rank, world, port, path):
+    """Microseconds per check on a gloo mesh of ``world`` CPU processes, written by rank 0."""
+    import json
+    import time
+
+    from muon_offload.distributed import resolve_mesh
+    from muon_offload.rank_agreement import StepAgreement, fingerprint
+
+    init(rank, world, port)
+    agreement = StepAgreement(resolve_mesh(dist.group.WORLD))
+    result = {}
+    for n in (10, 200, 2000):
+        stepping = list(range(n))
+        for _ in range(50):
+            agreement.check(stepping, str)
+        best = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                agreement.check(stepping, str)
+            best.append((time.perf_counter() - t0) / 200 * 1e6)
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            fingerprint(stepping)
+        result[n] = {
+            "check_us_median": sorted(best)[len(best) // 2],
+            "check_us_min": min(best),
+            "fingerprint_us": (time.perf_counter() - t0) / 1000 * 1e6,
+        }
+    # The floor: the same all-reduce alone, on a preallocated tensor.
+    both = torch.zeros(2, dtype=torch.int64)
+    bare = []
+    for _ in range(5):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        bare.append((time.perf_counter() - t0) / 200 * 1e6)
+    result["bare_all_reduce_us_median"] = sorted(bare)[len(bare) // 2]
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(result, f)
+    _finish()
+
+
+def _agreement_snapshot(params, opt):
+    state = {
+        i: {k: _local(v).clone() for k, v in opt.state[p].items()}
+        for i, p in enumerate(params)
+        if p in opt.state
+    }
+    return [_local(p).clone() for p in params], state, [g["step"] for g in opt.param_groups]
+
+
+def _agreement_same(a, b):
+    assert len(a[0]) == len(b[0]) and a[2] == b[2], (a[2], b[2])
+    for x, y in zip(a[0], b[0], strict=True):
+        assert torch.equal(x, y)
+    assert a[1].keys() == b[1].keys()
+    for i in a[1]:
+        assert a[1][i].keys() == b[1][i].keys()
+        for k in a[1][i]:
+            assert torch.equal(a[1][i][k], b[1][i][k]), (i, k)
+
+
+def agreement_muon_none_on_one_rank(rank, world, port):
+    """Muon end to end (needs the optimizer to call StepAgreements.check in step()): rank 1's
+    gradient of one sharded matrix is None. Every rank raises ValueError naming it, before
+    anything moves; afterwards agreed steps run on and match a run that never failed."""
+    mesh = init(rank, world, port)
+    kwargs = dict(lr=0.02, offload=True, chunk_bytes=3000)
+
+    def fresh():
+        params, groups = build(mesh, True)
+        return params, Muon(groups, distributed_mesh=mesh, **kwargs)
+
+    params, opt = fresh()
+    for first in (True, False):  # before any state exists, and after a step
+        if not first:
+            set_grads(params, 0, mesh)
+            opt.step()
+        before = _agreement_snapshot(params, opt)
+        set_grads(params, 1, mesh)
+        if rank == 1:
+            params[1].grad = None  # param group 0, parameter 1: a (24, 40) matrix, sharded
+        message = _agreement_message(opt.step)
+        assert message.startswith(
+            "param group 0 (parameter 1 of the group, of shape (24, 40)) has a gradient on "
+            "rank 0 but not on rank 1"
+        ), message
+        _agreement_same(_agreement_snapshot(params, opt), before)
+        assert not opt.state or not first
+    set_grads(params, 1, mesh)
+    opt.step()
+    ref_params, ref_opt = fresh()
+    for s in (0, 1):
+        set_grads(ref_params, s, mesh)
+        ref_opt.step()
+    _agreement_same(_agreement_snapshot(params, opt), _agreement_snapshot(ref_params, ref_opt))
+    _finish()
+
+
+def agreement_muon_agreed(rank, world, port):
+    """All ranks agree (some gradients None on every rank in one step): the steps are bitwise
+    those without the agreement check (StepAgreements.check made a no-op)."""
+    from muon_offload import rank_agreement
+
+    mesh = init(rank, world, port)
+    results = []
+    for check in (rank_agreement.StepAgreements.check, lambda self, *args: None):
+        rank_agreement.StepAgreements.check = check
+        params, groups = build(mesh, True)
+        opt = Muon(groups, distributed_mesh=mesh, lr=0.02, offload=True, chunk_bytes=3000)
+        for s in range(3):
+            set_grads(params, s, mesh)
+            if s == 1:
+                for i in (0, 3, len(params) - 1):
+                    params[i].grad = None
+            opt.step()
+        results.append(_agreement_snapshot(params, opt))
+    _agreement_same(*results)
+    _finish()
