@@ -20,10 +20,8 @@ STEPS = 24
 
 def _env() -> dict:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    # CPUs only, also on a machine with GPUs, so offload=True takes the CPU pipeline. One
-    # thread: on the 2 shared cores of CI, two threads spinning for a model this small took
-    # 460 ms a step against 70 ms with one (2026-12-01).
-    env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    # CPUs only, also on a machine with GPUs, so offload=True takes the CPU pipeline.
+    env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
     # Not the Triton interpreter that conftest sets for the kernel tests: this tests the
     # script, and Muon's orthogonalization under it took 1.3 s a step against 0.1 s.
     env.pop("TRITON_INTERPRET", None)
@@ -90,10 +88,9 @@ def test_table_printed(tiny_run):
 
 @pytest.fixture
 def tc(monkeypatch):
-    """The script as a module, its siblings importable as when it runs (one thread, as
-    in _env)."""
+    """The script as a module, its siblings importable as when it runs; main() sets one
+    thread for --tiny on the CPU, put back for the tests that follow."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("train_compare_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
