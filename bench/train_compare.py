@@ -8,8 +8,8 @@ library's own source, trained once per mode with the same seed and the same data
 all with ``offload=True`` on a GPU. A mode whose optimizer cannot be built (a feature that has
 not landed) is recorded as skipped with the error; the others still run.
 
-    PYTHONPATH=. python bench/train_compare.py --out out/train          # the GPU run
-    PYTHONPATH=. python bench/train_compare.py --tiny --out out/tiny    # CPU, under a minute
+    PYTHONPATH=. python bench/train_compare.py --out out/train --time-limit 500   # one H200
+    PYTHONPATH=. python bench/train_compare.py --tiny --out out/tiny                # CPU, < 1 min
 
 Writes ``train_compare.json`` into ``--out`` after every mode (a run cut short keeps what
 finished), then ``train_compare.png`` (smoothed loss curves: Muon runs, AdamW runs) and prints
