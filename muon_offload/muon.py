@@ -155,8 +155,6 @@ class Muon(ChunkedOptimizer):
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
     ):
-        if use_gram_newton_schulz:
-            raise NotImplementedError("use_gram_newton_schulz is not supported")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
         # Checked here too: groups read them only when an adamw or lion group exists.
@@ -165,7 +163,9 @@ class Muon(ChunkedOptimizer):
         if adjust_lr not in ADJUST_LR_MODES:
             raise ValueError(f"unknown adjust_lr {adjust_lr!r}; expected one of {ADJUST_LR_MODES}")
         if orthogonalizer is None:
-            if newton_schulz_func is not None:
+            if use_gram_newton_schulz:  # dion's switch; ours runs on our Triton kernels
+                orthogonalizer = "gram_newton_schulz"
+            elif newton_schulz_func is not None:
                 orthogonalizer = newton_schulz_func
             else:
                 orthogonalizer = "polar_express" if use_polar_express else "newton_schulz5"

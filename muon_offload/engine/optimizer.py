@@ -32,6 +32,7 @@ from ..distributed import (
     resolve_mesh,
 )
 from ..hyper import Hyper, check_param_dtypes, check_state_fits, step_work
+from ..rank_agreement import StepAgreements
 from .algorithm import Algorithm
 from .checkpoint import CheckpointMixin
 from .chunks import StepContext, chunk_state, run_chunk
@@ -79,12 +80,14 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         self._constructed = False
         super().__init__(params, defaults)
         check_ranks_agree(self.param_groups, self._mesh_of)
+        self._agreements.add(self.param_groups, self._mesh_of)
         self._constructed = True
 
     def _setup(self, settings: Settings, mesh: Mesh) -> None:
         """The engine's own attributes: settings, and nothing built yet."""
         self._mesh = mesh
         self._group_meshes: dict[int, Mesh] = {}
+        self._agreements = StepAgreements()  # filled in __init__ and add_param_group
         self.offload = settings.offload
         self.chunk_bytes = settings.chunk_bytes
         self.resident_chunk_bytes = settings.resident_chunk_bytes
@@ -128,6 +131,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
                 self._placement(index, p, hyper)
             if self._constructed:
                 check_ranks_agree(self.param_groups, self._mesh_of)
+                self._agreements.add(self.param_groups, self._mesh_of)
         except Exception:
             self.param_groups.pop()
             self._group_meshes.pop(index, None)
@@ -232,6 +236,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hypers, work, device = self._check_step()
+        # Every rank of a mesh steps the same parameters (one CPU all-reduce per mesh).
+        self._agreements.check(self.param_groups, self._mesh_of)
         if not work:
             for group in self.param_groups:
                 group["step"] += 1

@@ -16,7 +16,7 @@ DEFAULT_CHUNK_BYTES = 128 << 20
 # launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
 # is the orthogonalizer's workspace, which scales with the batch.
 DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
-STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)
 
 
 def as_int(name: str, value, minimum: int, what: str) -> int:
@@ -62,7 +62,8 @@ class Settings:
             resident_bytes = as_int("resident_bytes", resident_bytes, 0, "an int >= 0 or None")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(
-                f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}"
+                "state_dtype must be None, torch.float32, torch.bfloat16 or torch.int8, got "
+                f"{state_dtype!r}"
             )
         if backend not in dispatch.BACKENDS:
             raise ValueError(f"backend must be one of {dispatch.BACKENDS}, got {backend!r}")
