@@ -71,30 +71,9 @@ def _typed(row, index, DTYPE: tl.constexpr, start, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def for_each_tile(TILE: tl.constexpr, ptrs, scalars, count, BLOCK: tl.constexpr):
-    """Run ``TILE(ptrs, scalars, start, count, BLOCK, MASKED)`` over ``count`` elements in
-    tiles of ``BLOCK``: full tiles without a mask, so accesses stay 16 bytes wide, then one
-    masked tail. ``ptrs`` and ``scalars`` are tuples the tile function unpacks."""
-    n_full = count // BLOCK
-    for i_t in range(n_full):
-        TILE(ptrs, scalars, i_t * BLOCK, count, BLOCK, False)
-    if n_full * BLOCK < count:
-        TILE(ptrs, scalars, n_full * BLOCK, count, BLOCK, True)
-
-
-@triton.jit
-def _tile_offsets(start, count, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    offs = start + tl.arange(0, BLOCK)
-    if MASKED:
-        return offs, offs < count
-    return offs, None
-
-
-@triton.jit
-def _adamw_tile(ptrs, scalars, start, count, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    p_ptr, g_ptr, m_ptr, v_ptr = ptrs
-    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = scalars
-    offs, mask = _tile_offsets(start, count, BLOCK, MASKED)
+def _adamw_tile(
+    p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, w1, beta2, omb2, eps, decay, step_size, bc2_sqrt
+):
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -129,21 +108,49 @@ def _adamw_kernel(
     row = table + i_p * 6
     start = tl.load(row + 4)
     count = tl.load(row + 5)
-    ptrs = (
-        _typed(row, 0, P_DTYPE, start, ALIGNED),
-        _typed(row, 1, G_DTYPE, start, ALIGNED),
-        _typed(row, 2, M_DTYPE, start, ALIGNED),
-        _typed(row, 3, V_DTYPE, start, ALIGNED),
-    )
-    scalars = (w1, beta2, omb2, eps, decay, step_size, bc2_sqrt)
-    for_each_tile(_adamw_tile, ptrs, scalars, count, BLOCK)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
+    v_ptr = _typed(row, 3, V_DTYPE, start, ALIGNED)
+    offs = tl.arange(0, BLOCK)
+    n_full = count // BLOCK
+    for i_t in range(n_full):  # full tiles: no mask, so loads stay 16 bytes wide
+        _adamw_tile(
+            p_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            i_t * BLOCK + offs,
+            None,
+            w1,
+            beta2,
+            omb2,
+            eps,
+            decay,
+            step_size,
+            bc2_sqrt,
+        )
+    tail = count - n_full * BLOCK
+    if tail > 0:
+        _adamw_tile(
+            p_ptr,
+            g_ptr,
+            m_ptr,
+            v_ptr,
+            n_full * BLOCK + offs,
+            offs < tail,
+            w1,
+            beta2,
+            omb2,
+            eps,
+            decay,
+            step_size,
+            bc2_sqrt,
+        )
 
 
 @triton.jit
-def _lion_tile(ptrs, scalars, start, count, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    p_ptr, g_ptr, m_ptr = ptrs
-    w1, w2, decay, lr = scalars
-    offs, mask = _tile_offsets(start, count, BLOCK, MASKED)
+def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr):
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -173,12 +180,16 @@ def _lion_kernel(
     row = table + i_p * 5
     start = tl.load(row + 3)
     count = tl.load(row + 4)
-    ptrs = (
-        _typed(row, 0, P_DTYPE, start, ALIGNED),
-        _typed(row, 1, G_DTYPE, start, ALIGNED),
-        _typed(row, 2, M_DTYPE, start, ALIGNED),
-    )
-    for_each_tile(_lion_tile, ptrs, (w1, w2, decay, lr), count, BLOCK)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
+    offs = tl.arange(0, BLOCK)
+    n_full = count // BLOCK
+    for i_t in range(n_full):
+        _lion_tile(p_ptr, g_ptr, m_ptr, i_t * BLOCK + offs, None, w1, w2, decay, lr)
+    tail = count - n_full * BLOCK
+    if tail > 0:
+        _lion_tile(p_ptr, g_ptr, m_ptr, n_full * BLOCK + offs, offs < tail, w1, w2, decay, lr)
 
 
 def _launch_segments(kernel, name: str, lists, scalars) -> None:

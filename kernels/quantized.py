@@ -55,9 +55,25 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
-from .elementwise import _lerp, _typed, for_each_tile
+from .elementwise import _lerp, _typed
 
 QBLOCK = 256
+
+
+# Not yet compiled on a GPU: on the H200 (triton 3.6, 2026-12-01) elementwise.py's kernels built
+# on this helper failed to compile, so they went back to their own loops; the 8-bit kernels
+# still use it and the engine runs 8-bit state through the torch references on CUDA until
+# they pass there (engine/dispatch.py).
+@triton.jit
+def for_each_tile(TILE: tl.constexpr, ptrs, scalars, count, BLOCK: tl.constexpr):
+    """Run ``TILE(ptrs, scalars, start, count, BLOCK, MASKED)`` over ``count`` elements in
+    tiles of ``BLOCK``: full tiles without a mask, so accesses stay 16 bytes wide, then one
+    masked tail. ``ptrs`` and ``scalars`` are tuples the tile function unpacks."""
+    n_full = count // BLOCK
+    for i_t in range(n_full):
+        TILE(ptrs, scalars, i_t * BLOCK, count, BLOCK, False)
+    if n_full * BLOCK < count:
+        TILE(ptrs, scalars, n_full * BLOCK, count, BLOCK, True)
 
 
 @dataclass(frozen=True)

@@ -38,25 +38,31 @@ def muon_apply_(backend: str, params, update: Tensor, **hyper) -> None:
 
 
 # 8-bit state (kernels/quantized.py), imported where it is used: a dense optimizer never
-# loads it.
+# loads it. Its Triton kernels have not yet compiled on the GPU (H200, triton 3.6,
+# 2026-12-01), so CUDA tensors take the torch references (the same math, unfused) unless
+# backend="triton" asks for the kernels.
+def _use_triton8(backend: str, tensor: Tensor) -> bool:
+    return backend == "triton"
+
+
 def adamw8_(backend: str, params, grads, m_codes, m_scales, v_codes, v_scales, **hyper) -> None:
     from ..kernels import quantized
 
-    fn = quantized.adamw8_ if _use_triton(backend, params[0]) else quantized.adamw8_reference_
+    fn = quantized.adamw8_ if _use_triton8(backend, params[0]) else quantized.adamw8_reference_
     fn(params, grads, m_codes, m_scales, v_codes, v_scales, **hyper)
 
 
 def lion8_(backend: str, params, grads, m_codes, m_scales, **hyper) -> None:
     from ..kernels import quantized
 
-    fn = quantized.lion8_ if _use_triton(backend, params[0]) else quantized.lion8_reference_
+    fn = quantized.lion8_ if _use_triton8(backend, params[0]) else quantized.lion8_reference_
     fn(params, grads, m_codes, m_scales, **hyper)
 
 
 def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu: float, nesterov: bool):
     from ..kernels import quantized
 
-    triton = _use_triton(backend, m_codes[0])
+    triton = _use_triton8(backend, m_codes[0])
     fn = quantized.muon_prep8 if triton else quantized.muon_prep8_reference
     return fn(m_codes, m_scales, grads, mu=mu, nesterov=nesterov)
 
