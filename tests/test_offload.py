@@ -203,14 +203,17 @@ def test_kernels_through_the_interpreter_match_the_reference():
 
 @pytest.mark.cuda
 def test_kernels_match_the_reference_on_gpu():
-    """On the GPU bf16 stores round to nearest like torch, so U is bitwise the reference's and
-    only fp32 contraction differences in the apply and AdamW remain."""
+    """On the GPU bf16 stores round to nearest like torch. The kernels' sums of squares add in
+    a fixed pairwise order (kernels/sumsq.py: the same bits whatever the batch), torch's sum
+    in its own, so the normalization can differ in its last bit and a few bf16 elements of U
+    round the other way; with fp32 contraction differences in the apply and AdamW that gave
+    at most 1.007e-5 relative on the H200 (2026-12-01; 8.6e-6 before the fixed order)."""
     gen = torch.Generator().manual_seed(6)
     init = [torch.randn(s, generator=gen) for s in KERNEL_SHAPES]
     ref = _run_backend("torch", device="cuda")
     kern = _run_backend("triton", device="cuda")
     rel = _update_rel([p.cpu() for p in kern[0]], [p.cpu() for p in ref[0]], init)
-    assert max(rel) < 1e-5, rel
+    assert max(rel) < 2e-5, rel
 
 
 def test_kernels_offloaded_equal_kernels_resident_bitwise():
