@@ -1,0 +1,89 @@
+"""8-bit state (``state_dtype=torch.int8``) through the engine: the same bits whatever the
+chunking or offload, checkpoints that resume bitwise and convert to and from dense state, and
+an update close to fp32 state's."""
+
+import io
+
+import pytest
+import torch
+
+from muon_offload import AdamW, Muon
+
+# Odd sizes; 5000 and the matrices are quantized, the 40-vector stays dense (under 4096).
+SHAPES = [(64, 96), (64, 96), (3, 32, 160), (5000,), (40,)]
+
+
+def _run(state_dtype, offload, chunk_bytes=None, steps=3, start=0, params=None, opt=None):
+    if params is None:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+        kw = dict(state_dtype=state_dtype, offload=offload)
+        if chunk_bytes:
+            kw["chunk_bytes"] = chunk_bytes
+        groups = [dict(params=params[:3]), dict(params=params[3:], algorithm="adamw")]
+        opt = Muon(groups, lr=0.02, **kw)
+    for s in range(start, start + steps):
+        gen = torch.Generator().manual_seed(100 + s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+def test_state_layout_and_dtypes():
+    params, opt = _run(torch.int8, False)
+    assert set(opt.state[params[0]]) == {"momentum_codes", "momentum_scales"}
+    assert opt.state[params[2]]["momentum_scales"].shape == (3, 20)  # per matrix: 5120 / 256
+    assert opt.state[params[3]]["variance_codes"].dtype == torch.uint8
+    assert set(opt.state[params[4]]) == {"momentum", "variance"}  # small: dense fp32
+    assert opt.state[params[4]]["momentum"].dtype == torch.float32
+
+
+def test_chunking_and_offload_give_the_same_bits():
+    ref, _ = _run(torch.int8, False)
+    for kw in (dict(offload=True), dict(offload=True, chunk_bytes=3000)):
+        got, _ = _run(torch.int8, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_close_to_fp32_state():
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    q, _ = _run(torch.int8, False)
+    f, _ = _run(None, False)
+    # The 3-step update with 8-bit state against fp32 state's, relative to its size: measured
+    # 0.8% (AdamW) to 1.3% (Muon) on the CPU; a wrong map or scale is off by tens of percent.
+    for a, b, x in zip(q, f, init, strict=True):
+        assert ((a - b).norm() / (b - x).norm()) < 3e-2
+
+
+def test_resume_is_bitwise_and_converts():
+    params, opt = _run(torch.int8, True, chunk_bytes=3000)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    twins, twin_opt = _run(torch.int8, True, chunk_bytes=3000, steps=0)
+    for t, p in zip(twins, params, strict=True):
+        t.data.copy_(p)
+    twin_opt.load_state_dict(saved)
+    _run(None, None, steps=2, start=3, params=params, opt=opt)
+    _run(None, None, steps=2, start=3, params=twins, opt=twin_opt)
+    assert all(torch.equal(a, b) for a, b in zip(params, twins, strict=True))
+    # 8-bit into a dense optimizer and dense into an 8-bit one.
+    _, dense = _run(None, False, steps=0)
+    dense.load_state_dict(saved)
+    m = dense.state[dense.param_groups[0]["params"][0]]["momentum"]
+    assert m.dtype == torch.float32 and m.abs().sum() > 0
+    _, back = _run(torch.int8, False, steps=0)
+    back.load_state_dict(dense.state_dict())
+
+
+def test_adamw_int8_and_bad_input():
+    p = torch.nn.Parameter(torch.randn(4099))
+    opt = AdamW([p], state_dtype=torch.int8)
+    p.grad = torch.randn(4099)
+    opt.step()
+    assert opt.state[p]["exp_avg_codes"].dtype == torch.int8
+    with pytest.raises(ValueError, match="state_dtype"):
+        AdamW([p], state_dtype=torch.float16)
