@@ -1,6 +1,8 @@
 """The element-wise rules, AdamW (``torch.optim.AdamW``'s numerics) and Lion (dion's), as
 per-unit updates over the engine. A unit is a list of flat segments; the fused kernels (or
-their torch references off CUDA) update them in place."""
+their torch references off CUDA) update them in place. ``job.state`` holds one tensor list a
+key for dense state, and codes then scales a key for 8-bit state, in the order the dense and
+the 8-bit functions take them."""
 
 from __future__ import annotations
 
@@ -14,27 +16,12 @@ class AdamWUpdate(Algorithm):
 
     def update(self, job: UnitJob) -> None:
         h = job.hyper
-        if job.quantized:
-            dispatch.adamw8_(
-                job.backend,
-                job.params,
-                job.grads,
-                *job.state,  # m codes, m scales, v codes, v scales
-                lr=h.lr,
-                beta1=h.beta1,
-                beta2=h.beta2,
-                eps=h.eps,
-                weight_decay=h.weight_decay,
-                step=job.step,
-            )
-            return
-        exp_avgs, exp_avg_sqs = job.state
-        dispatch.adamw_(
+        fn = dispatch.adamw8_ if job.quantized else dispatch.adamw_
+        fn(
             job.backend,
             job.params,
             job.grads,
-            exp_avgs,
-            exp_avg_sqs,
+            *job.state,
             lr=h.lr,
             beta1=h.beta1,
             beta2=h.beta2,
@@ -50,24 +37,12 @@ class LionUpdate(Algorithm):
 
     def update(self, job: UnitJob) -> None:
         h = job.hyper
-        if job.quantized:
-            dispatch.lion8_(
-                job.backend,
-                job.params,
-                job.grads,
-                *job.state,  # codes, scales
-                lr=h.lr,
-                beta1=h.beta1,
-                beta2=h.beta2,
-                weight_decay=h.weight_decay,
-            )
-            return
-        (momentums,) = job.state
-        dispatch.lion_(
+        fn = dispatch.lion8_ if job.quantized else dispatch.lion_
+        fn(
             job.backend,
             job.params,
             job.grads,
-            momentums,
+            *job.state,
             lr=h.lr,
             beta1=h.beta1,
             beta2=h.beta2,
