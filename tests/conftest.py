@@ -11,29 +11,9 @@ def _has_cuda_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def _squeeze_loaded_scalars_in_old_interpreters() -> None:
-    """triton 3.6's interpreter turns a loaded scalar (a 1-element array there) into a Python
-    int with ``int(array)``, which numpy >= 2.3 refuses: every kernel whose loop count comes
-    from a load fails. triton 3.9 squeezes the array first; do the same where it does not.
-    Tests only: compiled kernels never take this path."""
-    import inspect
-
-    from triton.runtime import interpreter
-
-    patch = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch is None or "squeeze" in inspect.getsource(patch):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
 if not _has_cuda_gpu():
+    # muon_offload.kernels then fixes triton 3.6's interpreter under new numpy (_interpreter.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    _squeeze_loaded_scalars_in_old_interpreters()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
