@@ -3,7 +3,9 @@
 ``qwen3-30b-a3b-ep8-rank`` is one rank's optimizer work when Qwen3-30B-A3B trains on 8 GPUs
 with expert parallelism 8 (the bench workload); ``llama3-8b-fsdp8-rank`` is one rank's eighth
 of a dense Llama-3-8B-like model on 8 GPUs; ``tiny`` is a few small matrices and vectors for
-CPU runs. docs/benchmarks.md ("Workloads") tables both large ones.
+CPU runs. ``llama3-8b-fsdp8-rank-adamw`` and ``tiny-adamw`` are the same shapes with every
+tensor on AdamW, for the peers that only run AdamW (torch's fused AdamW, torchao's
+``CPUOffloadOptimizer``). docs/benchmarks.md ("Workloads") tables the large ones.
 """
 
 from __future__ import annotations
@@ -110,22 +112,48 @@ def tiny(layers: int = 2) -> list[ParamSpec]:
     return specs
 
 
+def all_adamw(specs: list[ParamSpec]) -> list[ParamSpec]:
+    """The same shapes with every tensor on AdamW."""
+    return [ParamSpec(s.name, s.shape, "adamw") for s in specs]
+
+
+def llama3_8b_fsdp8_rank_adamw(layers: int = LLAMA3_LAYERS) -> list[ParamSpec]:
+    """``llama3_8b_fsdp8_rank`` with every tensor on AdamW: 1,003,786,240 parameters at 32
+    layers (7.48 GiB of fp32 state)."""
+    return all_adamw(llama3_8b_fsdp8_rank(layers))
+
+
+def tiny_adamw(layers: int = 2) -> list[ParamSpec]:
+    """``tiny`` with every tensor on AdamW."""
+    return all_adamw(tiny(layers))
+
+
 WORKLOADS = {
     "qwen3-30b-a3b-ep8-rank": qwen3_30b_a3b_ep8_rank,
     "llama3-8b-fsdp8-rank": llama3_8b_fsdp8_rank,
+    "llama3-8b-fsdp8-rank-adamw": llama3_8b_fsdp8_rank_adamw,
     "tiny": tiny,
+    "tiny-adamw": tiny_adamw,
 }
 # Layers each workload has by default, and the most it can have (None: no limit).
 DEFAULT_LAYERS = {
     "qwen3-30b-a3b-ep8-rank": QWEN3_LAYERS,
     "llama3-8b-fsdp8-rank": LLAMA3_LAYERS,
+    "llama3-8b-fsdp8-rank-adamw": LLAMA3_LAYERS,
     "tiny": 2,
+    "tiny-adamw": 2,
 }
 MAX_LAYERS = {
     "qwen3-30b-a3b-ep8-rank": QWEN3_LAYERS,
     "llama3-8b-fsdp8-rank": LLAMA3_LAYERS,
+    "llama3-8b-fsdp8-rank-adamw": LLAMA3_LAYERS,
     "tiny": None,
+    "tiny-adamw": None,
 }
+# Workloads whose every tensor is on AdamW: the AdamW-only peers run on these.
+ADAMW_ONLY = frozenset(
+    name for name, make in WORKLOADS.items() if all(s.algorithm == "adamw" for s in make())
+)
 
 
 def workload(name: str, layers: int | None = None) -> list[ParamSpec]:

@@ -1,17 +1,22 @@
 """``muon-offload bench``: the optimizer step on a named workload, every mode side by side.
 
     muon-offload bench [--workload NAME] [--layers N] [--out DIR] [--dion-path DIR]
+                       [--torchao-offload]
 
-Modes: ours resident, ours offloaded (fp32 and bf16 state), the all-at-once offload baseline
-(every state tensor to the GPU in one chunk, step, back), dion's ``Muon`` resident and
-all-at-once when dion is importable (eager, in a subprocess), and ``torch.optim.AdamW(fused=True)``
-on AdamW-only workloads. On a GPU it first measures pinned host<->device bandwidth each way
-alone and both at once, and the device-memory copy bandwidth; the transfer floor of an
-offloaded mode is its state bytes over the both-directions bandwidth (each direction moves the
-state once). For each mode: median, min and max step time over the timed steps (after warm-up,
-which includes state creation, pinning and kernel tuning), the peak GPU memory the step adds
-above weights and gradients, and the ratios to the floor and to dion. Also one offloaded step's
-per-chunk timeline, chunk-size sweeps, and every mode at 12 / 24 / 48 layers.
+Modes: ours resident (fp32 and 8-bit state), ours offloaded (fp32, bf16 and 8-bit state), the
+all-at-once offload baseline (every state tensor to the GPU in one chunk, step, back), dion's
+``Muon`` resident and all-at-once when dion is importable (eager, in a subprocess); on
+AdamW-only workloads ``torch.optim.AdamW(fused=True)`` and, with ``--torchao-offload``,
+torchao's ``CPUOffloadOptimizer`` (needs a CUDA GPU and torchao). On a GPU it first measures
+pinned host<->device bandwidth each way alone and both at once, and the device-memory copy
+bandwidth; the transfer floor of an offloaded mode is the bytes it streams each way over the
+both-directions bandwidth: for ours the host bytes of its state as the optimizer reports them
+(8-bit: codes and scales), for torchao the weights (gradients go down, weights come back).
+For each mode: median, min and max step time over the timed steps (after warm-up, which
+includes state creation, pinning and kernel tuning), the peak GPU memory the step adds above
+weights and gradients, the host bytes of offloaded state, and the ratios to the floor and to
+dion. Also one offloaded step's per-chunk timeline, chunk-size sweeps (fp32 and bf16 state),
+and the offloaded and fp32 resident modes at 12 / 24 / 48 layers.
 
 Writes ``bench.json`` and, with matplotlib, ``timeline.png`` and ``state_size.png`` into
 ``--out`` (a ``.json`` path names the JSON file; figures go beside it). Without a GPU the
@@ -29,10 +34,10 @@ from pathlib import Path
 import torch
 
 from .. import options
-from ..workloads import DEFAULT_LAYERS, MAX_LAYERS, WORKLOADS, workload
+from ..workloads import ADAMW_ONLY, DEFAULT_LAYERS, MAX_LAYERS, WORKLOADS, workload
 from . import machine
 from .dion_runner import dion_commit, find_dion, run_dion
-from .modes import MODE_NAMES, run_modes
+from .modes import MODE_NAMES, run_modes, torchao_missing
 from .progress import Progress
 from .report import add_ratios, table
 from .timing import GIB, STATE_DTYPES, Clock, bandwidths, floor_s
@@ -113,6 +118,12 @@ def parser() -> argparse.ArgumentParser:
         help="folder holding the dion package (default: an importable dion)",
     )
     ap.add_argument("--no-dion", action="store_true", help="leave dion out")
+    ap.add_argument(
+        "--torchao-offload",
+        action="store_true",
+        help="also time torchao's CPUOffloadOptimizer (fused AdamW on the host) on an AdamW-only "
+        f"workload ({', '.join(sorted(ADAMW_ONLY))}); needs a CUDA GPU and torchao",
+    )
     ap.add_argument("--out", default="out/bench", help="folder for bench.json and the figures")
     return ap
 
@@ -140,7 +151,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 ap.error(f"{flag} must be >= 1, got {n}")
             if most is not None and n > most:
                 ap.error(f"{flag}: {args.workload} has {most} layers, got {n}")
-    tiny = args.workload == "tiny"
+    tiny = args.workload.startswith("tiny")
     if args.memory_layers is None:
         cap = most or max(MEMORY_LAYERS)
         layers = TINY_MEMORY_LAYERS if tiny else MEMORY_LAYERS
@@ -149,6 +160,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--warmup must be >= 1 (the first step creates the state)")
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if args.torchao_offload:
+        torchao_check(ap, args)
     if args.chunk_bytes is not None and args.chunk_bytes < 1:
         ap.error("--chunk-bytes must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -169,9 +182,32 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def torchao_check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error unless torchao's CPUOffloadOptimizer can run here: an AdamW-only workload,
+    a CUDA GPU (it streams through one and asserts otherwise), and torchao installed."""
+    flag = "--torchao-offload"
+    if args.workload not in ADAMW_ONLY:
+        ap.error(
+            f"{flag} times AdamW-only workloads ({', '.join(sorted(ADAMW_ONLY))}); "
+            f"{args.workload} has Muon parameters"
+        )
+    problems = []
+    if args.device != "cuda":
+        problems.append(
+            "torchao's CPUOffloadOptimizer needs a CUDA GPU, and there is none here"
+            if not torch.cuda.is_available()
+            else "torchao's CPUOffloadOptimizer needs --device cuda"
+        )
+    missing = torchao_missing()
+    if missing:
+        problems.append(missing)
+    if problems:
+        ap.error(f"{flag}: " + "; ".join(problems))
+
+
 def cpu_warning(args) -> str | None:
     """A warning where a GPU-sized workload is about to run on the CPU (None otherwise)."""
-    if args.device != "cpu" or args.workload == "tiny":
+    if args.device != "cpu" or args.workload.startswith("tiny"):
         return None
     specs = workload(args.workload, args.layers)
     state = sum(s.numel * (4 if s.algorithm == "muon" else 8) for s in specs)
@@ -196,16 +232,17 @@ def environment(args) -> dict:
     }
 
 
+def add_floors(modes: dict, bandwidth: dict | None) -> None:
+    """Each offloaded mode's transfer floor, from the bytes it reports streaming each way."""
+    for m in modes.values():
+        if "streamed_bytes" in m:
+            m["floor_s"] = floor_s(m["streamed_bytes"], bandwidth)
+
+
 def ratios(results: dict) -> None:
     """Each mode's median over its transfer floor and over dion's resident median."""
-    floor = results["floor"]
-    fp32, bf16 = floor["fp32"]["floor_s"], floor["bf16"]["floor_s"]
-    floors = {
-        "ours_offload_fp32": fp32,
-        "all_at_once": fp32,
-        "ours_offload_bf16": bf16,
-        "dion_all_at_once": fp32,
-    }
+    floors = {"dion_all_at_once": results["floor"]["fp32"]["floor_s"]}
+    floors.update({k: results[k].get("floor_s") for k in MODE_NAMES if k in results})
     dion = results.get("dion_resident", {})
     modes = [(k, results[k]) for k in MODE_NAMES if "median_s" in results.get(k, {})]
     if "median_s" in dion.get("all_at_once", {}):
@@ -233,7 +270,8 @@ def run(args) -> dict:
     clock = Clock(device)
     use_dion = args.dion_root is not None
     others = [n for n in args.memory_layers if n != args.layers]
-    stages = 7 + 2 * len(args.chunk_mib) + 4 * len(others) + use_dion + (device.type == "cuda")
+    stages = 8 + 2 * len(args.chunk_mib) + 5 * len(others) + use_dion + (device.type == "cuda")
+    stages += args.torchao_offload
     progress = Progress(stages)
     results: dict = {"info": environment(args)}
     if clock.cuda:
@@ -257,9 +295,14 @@ def run(args) -> dict:
         name: {"state_gib": state * k / GIB, "floor_s": floor_s(state * k, bw)}
         for name, k in STATE_DTYPES
     }
+    # 8-bit state's bytes depend on the format (codes, block scales, small tensors dense): the
+    # host bytes the optimizer reports.
+    int8 = main["ours_offload_int8"]["streamed_bytes"]
+    results["floor"]["int8"] = {"state_gib": int8 / GIB, "floor_s": floor_s(int8, bw)}
     if not bw:
         results["floor_note"] = NO_GPU
     results.update(main)
+    add_floors({k: main[k] for k in MODE_NAMES if k in main}, bw)
 
     memory = {}
     for layers in args.memory_layers:
@@ -277,6 +320,7 @@ def run(args) -> dict:
                 full=False,
             )
             memory[layers] = {"state_gib": r.pop("state_gib"), "modes": r}
+        add_floors(memory[layers]["modes"], bw)
         # The offloaded fp32 figures at the top level, where earlier runs kept them.
         memory[layers].update(memory[layers]["modes"]["ours_offload_fp32"])
     results["memory_by_layers"] = memory

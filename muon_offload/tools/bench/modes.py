@@ -1,10 +1,13 @@
-"""The modes that ``muon-offload bench`` times on one copy of a workload: ours resident, ours
-offloaded (fp32 and bf16 state, with one step's timeline and chunk-size sweeps), the
-all-at-once offload baseline, torch's fused AdamW on AdamW-only workloads; and what saving the
-offloaded optimizer costs."""
+"""The modes that ``muon-offload bench`` times on one copy of a workload: ours resident (fp32
+and 8-bit state), ours offloaded (fp32, bf16 and 8-bit state, with one step's timeline and
+chunk-size sweeps for fp32 and bf16), the all-at-once offload baseline, torch's fused AdamW and
+torchao's ``CPUOffloadOptimizer`` on AdamW-only workloads; and what saving the offloaded
+optimizer costs. Offloaded modes report the host bytes their state streams (read from the
+optimizer, codes and scales for 8-bit state), from which the bench sets their floors."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import torch
@@ -15,13 +18,21 @@ from .timing import GIB, MIB, Clock, time_steps
 
 MODE_NAMES = (
     "ours_resident",
+    "ours_resident_int8",
     "ours_offload_fp32",
     "ours_offload_bf16",
+    "ours_offload_int8",
     "all_at_once",
     "torch_adamw_fused",
+    "torchao_offload",
     "dion_resident",
 )
 MUON_LR, ADAMW_LR = 0.01, 1e-3
+# AdamW's hyper-parameters in every mode and peer (ours, dion's, torch's fused AdamW, torchao's),
+# so that their times compare like for like: Muon's defaults for its adamw groups.
+ADAMW_BETAS, ADAMW_EPS, ADAMW_WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.01
+TORCH_ADAMW = dict(lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=ADAMW_WEIGHT_DECAY)
+TORCHAO_INSTALL = "pip install torchao==0.18.0"
 
 
 def build(specs, device: torch.device, seed: int = 0):
@@ -34,7 +45,17 @@ def build(specs, device: torch.device, seed: int = 0):
     if muon:
         groups.append(dict(params=muon))
     if adamw:
-        groups.append(dict(params=adamw, algorithm="adamw", lr=ADAMW_LR))
+        groups.append(
+            dict(
+                params=adamw,
+                algorithm="adamw",
+                lr=ADAMW_LR,
+                beta1=ADAMW_BETAS[0],
+                beta2=ADAMW_BETAS[1],
+                epsilon=ADAMW_EPS,
+                weight_decay=ADAMW_WEIGHT_DECAY,
+            )
+        )
     state = 4 * (sum(p.numel() for p in muon) + 2 * sum(p.numel() for p in adamw))
     weights_and_grads = sum(2 * p.numel() * p.element_size() for p in params)
     return groups, state, weights_and_grads
@@ -119,6 +140,9 @@ def run_modes(specs, args, clock: Clock, progress, *, warmup: int, steps: int, f
     def timed(name, opt, warm=warmup):
         progress(name)
         out[name] = time_steps(opt.step, clock, warm, steps, base)
+        # Read after the warm-up, which creates the state; torch's optimizers stream nothing.
+        if getattr(opt, "host_state_bytes", 0):
+            out[name].update(streamed(opt))
 
     if not args.offload_only:
         timed("ours_resident", Muon(groups, lr=MUON_LR))
@@ -155,13 +179,78 @@ def run_modes(specs, args, clock: Clock, progress, *, warmup: int, steps: int, f
     del opt
     clock.free()
 
-    if not adamw_only:
-        out["torch_adamw_fused"] = {
-            "skipped": "not applicable: the workload has Muon parameters "
-            "(torch's fused AdamW is compared on AdamW-only workloads)"
-        }
-    elif not args.offload_only:
-        params = [p for g in groups for p in g["params"]]
-        timed("torch_adamw_fused", torch.optim.AdamW(params, lr=ADAMW_LR, fused=True))
+    opt = Muon(
+        groups, lr=MUON_LR, offload=True, chunk_bytes=args.chunk_bytes, state_dtype=torch.int8
+    )
+    timed("ours_offload_int8", opt)
+    del opt
+    clock.free()
+    if full and not args.offload_only:
+        timed("ours_resident_int8", Muon(groups, lr=MUON_LR, state_dtype=torch.int8))
         clock.free()
+
+    params = [p for g in groups for p in g["params"]]
+    if not adamw_only:
+        why = "the workload has Muon parameters (compared on AdamW-only workloads)"
+        out["torch_adamw_fused"] = {"skipped": f"not applicable: {why}"}
+        out["torchao_offload"] = {"skipped": f"not applicable: {why}"}
+        return out
+    if not args.offload_only:
+        timed("torch_adamw_fused", torch.optim.AdamW(params, fused=True, **TORCH_ADAMW))
+        clock.free()
+    if getattr(args, "torchao_offload", False):
+        progress("torchao_offload")
+        out["torchao_offload"] = {
+            **time_steps(torchao_offload(params), clock, warmup, steps, base),
+            # Each step moves the gradients to the host and the weights back.
+            "streamed_bytes": sum(p.numel() * p.element_size() for p in params),
+        }
+        clock.free()
+    else:
+        out["torchao_offload"] = {
+            "skipped": f"left out (--torchao-offload times it: a CUDA GPU and {TORCHAO_INSTALL})"
+        }
     return out
+
+
+def streamed(opt) -> dict:
+    """What one of our offloaded optimizers streams each way a step: the host bytes of its state
+    (codes and scales for 8-bit state), and its device staging ring."""
+    return {
+        "streamed_bytes": opt.host_state_bytes,
+        "host_state_gib": opt.host_state_bytes / GIB,
+        "staging_gib": opt.staging_bytes / GIB,
+    }
+
+
+def torchao_missing() -> str | None:
+    """How to install torchao where it is not installed (None where it is)."""
+    if importlib.util.find_spec("torchao") is None:
+        return f"torchao is not installed: {TORCHAO_INSTALL}"
+    return None
+
+
+def torchao_offload(params: list[torch.nn.Parameter]):
+    """The step of torchao's ``CPUOffloadOptimizer`` (fused AdamW on the host, state and fp32
+    weights in pinned host memory) over ``params``, which need a CUDA GPU. torchao copies each
+    gradient to the host in a hook that backward fires once the gradient is accumulated; the
+    bench has no backward, so each step first adds zero to every gradient through autograd (in
+    place: the values stay), which fires the hooks as training's backward would."""
+    from torchao.optim import CPUOffloadOptimizer
+
+    opt = CPUOffloadOptimizer(
+        [dict(params=list(params))], torch.optim.AdamW, fused=True, **TORCH_ADAMW
+    )
+    zeros = [torch.zeros((), device=p.device, dtype=p.dtype).expand_as(p) for p in params]
+
+    def step() -> None:
+        accumulate_grads(params, zeros)
+        opt.step()
+
+    return step
+
+
+def accumulate_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+    """Adds ``grads`` to the parameters' gradients through autograd, as backward does, so that
+    post-accumulate-grad hooks run."""
+    torch.autograd.backward(params, grads)

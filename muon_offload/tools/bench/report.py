@@ -7,28 +7,38 @@ from collections.abc import Iterable
 
 LABELS = {
     "ours_resident": "ours resident",
+    "ours_resident_int8": "ours resident int8",
     "ours_offload_fp32": "ours offload fp32",
     "ours_offload_bf16": "ours offload bf16",
+    "ours_offload_int8": "ours offload int8",
     "all_at_once": "all-at-once offload",
     "torch_adamw_fused": "torch AdamW fused",
+    "torchao_offload": "torchao offload",
     "dion_resident": "dion resident (eager)",
     "dion_all_at_once": "dion all-at-once offload",
 }
 SHORT = {
     "ours_resident": "resident",
+    "ours_resident_int8": "resident int8",
     "ours_offload_fp32": "offload fp32",
     "ours_offload_bf16": "offload bf16",
+    "ours_offload_int8": "offload int8",
     "all_at_once": "all-at-once",
     "torch_adamw_fused": "torch fused",
+    "torchao_offload": "torchao",
     "dion_resident": "dion",
 }
 LABEL_WIDTH = 26
-# (header, key in a mode's figures, width, format) of each column of the modes' table.
+# (header, key in a mode's figures, width, format) of each column of the modes' table. "host
+# GiB" is the host memory an offloaded mode's state takes (as the optimizer reports it: for
+# 8-bit state codes and scales), "floor s" its transfer floor from the bytes it streams.
 MODE_COLUMNS = (
     ("median s", "median_s", 10, ".4f"),
     ("min", "min_s", 9, ".4f"),
     ("max", "max_s", 9, ".4f"),
     ("+GiB", "peak_added_gib", 8, ".2f"),
+    ("host GiB", "host_state_gib", 10, ".4g"),
+    ("floor s", "floor_s", 9, ".3f"),
     ("/floor", "to_floor", 8, ".2f"),
     ("/dion", "to_dion", 8, ".2f"),
 )
@@ -92,15 +102,17 @@ def table(r: dict) -> str:
         lines.append(f"bandwidth GB/s: {bandwidth_text(bw)}, device copy {bw['device_copy']:.0f}")
     else:
         lines.append(f"bandwidth and transfer floor: not measured ({r['bandwidth_note']})")
-    f32, b16 = floor["fp32"], floor["bf16"]
+    f32, b16, i8 = floor["fp32"], floor["bf16"], floor["int8"]
     lines.append(
         f"state: fp32 {f32['state_gib']:.4g} GiB -> floor {num(f32['floor_s'], '.3f')} s; "
-        f"bf16 {b16['state_gib']:.4g} GiB -> floor {num(b16['floor_s'], '.3f')} s"
+        f"bf16 {b16['state_gib']:.4g} GiB -> floor {num(b16['floor_s'], '.3f')} s; "
+        f"int8 (codes + scales, host bytes) {i8['state_gib']:.4g} GiB -> floor "
+        f"{num(i8['floor_s'], '.3f')} s"
     )
     lines.append("")
     lines.append(mode_header())
     lines += [mode_row(LABELS[key], m) for key, m in timed_modes(r)]
-    for key in ("torch_adamw_fused", "dion_resident"):
+    for key in ("torch_adamw_fused", "torchao_offload", "dion_resident"):
         m = r.get(key, {})
         if "skipped" in m:
             lines.append(note_row(LABELS[key], m["skipped"]))
