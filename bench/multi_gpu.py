@@ -1,6 +1,7 @@
 """Issue 8's multi-GPU bench: a Qwen3-30B-A3B-like model sharded over every rank, the optimizer
-step of ours (offloaded with fp32 and bf16 state, resident) against dion's resident ``Muon`` and
-the all-at-once offload baseline; step time and peak memory are the worst rank's.
+step of ours (offloaded with fp32, bf16 and 8-bit state, resident with fp32 and 8-bit state)
+against dion's resident ``Muon`` and the all-at-once offload baseline; step time and peak
+memory are the worst rank's.
 
     torchrun --nproc-per-node 8 bench/multi_gpu.py --out out/multi_gpu --dion-path DIR
     CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node 2 bench/multi_gpu.py --tiny --device cpu \
@@ -14,7 +15,8 @@ param group of their own on the expert mesh), AdamW for norms, embedding and lm_
 Parameters and gradients are random (never zero), seeded per global tensor.
 
 Stages: (1) pinned host<->device bandwidth with every rank copying at once; the per-rank
-transfer floor is a rank's state bytes over its both-directions bandwidth, max over ranks.
+transfer floor is a rank's state bytes over its both-directions bandwidth, max over ranks (for
+8-bit state, the host bytes each rank's optimizer reports: codes and scales).
 (2) Each mode: warm-up steps (state creation, pinning, kernel tuning), then timed steps with
 a barrier before each; a step's time is the slowest rank's, the figure the median over
 steps; peak GPU memory is the max over ranks. (3) Parity: K offloaded steps with small chunks
@@ -81,11 +83,21 @@ from multi_gpu_modes import has_list_all_to_all, load_dion, run_modes  # noqa: E
 from multi_gpu_parity import PARITY_CHUNK_BYTES, TINY_PARITY_CHUNK_BYTES, parity, parity_line  # noqa: E402  # noqa: E402
 from multi_gpu_ranks import barrier, everyone, init, keep_multicast_off  # noqa: E402
 
-MODES = ("ours_offload_fp32", "ours_offload_bf16", "ours_resident", "dion_resident", "all_at_once")
+MODES = (
+    "ours_offload_fp32",
+    "ours_offload_bf16",
+    "ours_offload_int8",
+    "ours_resident",
+    "ours_resident_int8",
+    "dion_resident",
+    "all_at_once",
+)
 LABELS = {
     "ours_offload_fp32": "ours offload fp32",
     "ours_offload_bf16": "ours offload bf16",
+    "ours_offload_int8": "ours offload int8",
     "ours_resident": "ours resident",
+    "ours_resident_int8": "ours resident int8",
     "dion_resident": "dion resident (eager)",
     "all_at_once": "all-at-once offload",
 }
@@ -110,27 +122,47 @@ class Context:
             self.json_path.write_text(json.dumps(results, indent=1))
 
 
-def floors(per_rank_state: list[int], per_rank_bw: list[dict] | None) -> dict:
+def rank_floor(per_rank_bytes: list[float], per_rank_bw: list[dict] | None) -> dict:
     """Each rank's state bytes over its both-directions bandwidth; the floor is the max."""
-    out = {}
-    for name, scale in STATE_DTYPES:
-        per_rank = (
-            [floor_s(b * scale, bw) for b, bw in zip(per_rank_state, per_rank_bw, strict=True)]
-            if per_rank_bw
-            else None
-        )
-        out[name] = {
-            "state_gib_per_rank": [b * scale / GIB for b in per_rank_state],
-            "floor_s_per_rank": per_rank,
-            "floor_s": max(per_rank) if per_rank else None,
-        }
-    return out
+    per_rank = (
+        [floor_s(b, bw) for b, bw in zip(per_rank_bytes, per_rank_bw, strict=True)]
+        if per_rank_bw
+        else None
+    )
+    return {
+        "state_gib_per_rank": [b / GIB for b in per_rank_bytes],
+        "floor_s_per_rank": per_rank,
+        "floor_s": max(per_rank) if per_rank else None,
+    }
+
+
+def floors(per_rank_state: list[int], per_rank_bw: list[dict] | None) -> dict:
+    """The floor of fp32 and bf16 state, from each rank's fp32 state bytes."""
+    return {
+        name: rank_floor([b * scale for b in per_rank_state], per_rank_bw)
+        for name, scale in STATE_DTYPES
+    }
+
+
+def measured_floors(results: dict) -> None:
+    """Each offloaded mode's floor from the host bytes every rank reports (max over ranks), and
+    the 8-bit floor in ``results["floor"]``."""
+    bw = results["bandwidth_gbps"]
+    per_rank_bw = bw["per_rank"] if bw else None
+    for m in results["modes"].values():
+        if "host_state_bytes_per_rank" in m:
+            m["floor_s"] = rank_floor(m["host_state_bytes_per_rank"], per_rank_bw)["floor_s"]
+    int8 = results["modes"].get("ours_offload_int8", {})
+    if "host_state_bytes_per_rank" in int8:
+        results["floor"]["int8"] = rank_floor(int8["host_state_bytes_per_rank"], per_rank_bw)
 
 
 def ratios(results: dict) -> None:
+    measured_floors(results)
     floor, modes = results["floor"], results["modes"]
     fp32, bf16 = floor["fp32"]["floor_s"], floor["bf16"]["floor_s"]
     floors_of = {"ours_offload_fp32": fp32, "ours_offload_bf16": bf16, "all_at_once": fp32}
+    floors_of.update({k: m["floor_s"] for k, m in modes.items() if "floor_s" in m})
     timed_modes = [(k, m) for k, m in modes.items() if "median_s" in m]
     add_ratios(timed_modes, floors_of, modes.get("dion_resident", {}))
     to_floor = modes.get("ours_offload_fp32", {}).get("to_floor")
@@ -253,9 +285,10 @@ def table(r: dict) -> str:
     else:
         lines.append(f"bandwidth and transfer floor: not measured ({r['bandwidth_note']})")
     f32, b16 = floor["fp32"], floor["bf16"]
+    i8 = num(floor["int8"]["floor_s"], ".3f") if "int8" in floor else "-"
     lines.append(
         f"per-rank floor (max over ranks): fp32 {num(f32['floor_s'], '.3f')} s, "
-        f"bf16 {num(b16['floor_s'], '.3f')} s"
+        f"bf16 {num(b16['floor_s'], '.3f')} s, int8 (host bytes: codes + scales) {i8} s"
     )
     lines += ["", mode_header(COLUMNS)]
     for key, label in LABELS.items():

@@ -1,7 +1,8 @@
-"""The modes of bench/multi_gpu.py on the sharded model: ours offloaded (fp32 and bf16 state)
-and resident, dion's resident ``Muon`` where dion runs here, and the all-at-once offload
-baseline around dion's step (around ours without dion); each timed with a barrier before every
-step, its figures the worst rank's."""
+"""The modes of bench/multi_gpu.py on the sharded model: ours offloaded (fp32, bf16 and 8-bit
+state) and resident (fp32 and 8-bit state), dion's resident ``Muon`` where dion runs here, and
+the all-at-once offload baseline around dion's step (around ours without dion); each timed with
+a barrier before every step, its figures the worst rank's. Offloaded modes also report each
+rank's host state bytes as the optimizer reports them (8-bit: codes and scales)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import torch.distributed as dist
 
 from muon_offload import Muon
 from muon_offload.tools.bench.modes import ADAMW_LR, MUON_LR, AllAtOnce
-from muon_offload.tools.bench.timing import step_times
+from muon_offload.tools.bench.timing import GIB, step_times
 
 # bench/ is on sys.path when bench/multi_gpu.py runs as a script.
 from moe_model import param_groups
-from multi_gpu_ranks import barrier, over_ranks
+from multi_gpu_ranks import barrier, everyone, over_ranks
 
 
 def construct(make: Callable[[], object], ctx) -> tuple[object, int]:
@@ -36,6 +37,18 @@ def timed(step: Callable[[], object], ctx, warmup: int, base: int) -> dict:
     before = lambda: barrier(ctx.clock)
     times = step_times(step, ctx.clock, warmup, ctx.args.steps, before_each=before)
     return over_ranks(times, ctx.clock, base)
+
+
+def streamed_over_ranks(opt) -> dict:
+    """Each rank's host state bytes (what its offloaded step streams each way) and the largest
+    host state and staging ring over ranks. Every rank calls it."""
+    host = everyone(opt.host_state_bytes)
+    staging = everyone(opt.staging_bytes)
+    return {
+        "host_state_bytes_per_rank": host,
+        "host_state_gib": max(host) / GIB,
+        "staging_gib": max(staging) / GIB,
+    }
 
 
 def load_dion(args) -> tuple[object | None, str | None]:
@@ -95,13 +108,26 @@ def run_modes(ctx, specs, params, dion, dion_note: str | None, results: dict, pr
         "ours_offload_bf16": ours(
             offload=True, chunk_bytes=args.chunk_bytes, state_dtype=torch.bfloat16
         ),
+        "ours_offload_int8": ours(
+            offload=True, chunk_bytes=args.chunk_bytes, state_dtype=torch.int8
+        ),
         "ours_resident": ours(),
+        "ours_resident_int8": ours(state_dtype=torch.int8),
     }
     for name, make in ours_modes.items():
         if name in args.modes:
             progress(name)
-            opt, base = construct(make, ctx)
+            try:
+                opt, base = construct(make, ctx)
+            except ValueError as err:
+                # The constructor's checks run before any collective and read only the groups,
+                # alike on every rank: 8-bit state on DTensor parameters is refused (so far).
+                modes[name] = {"skipped": f"refused by the optimizer: {err}"}
+                ctx.write(results)
+                continue
             modes[name] = timed(opt.step, ctx, args.warmup, base)
+            if name.startswith("ours_offload"):
+                modes[name].update(streamed_over_ranks(opt))
             del opt
             ctx.write(results)
 
