@@ -121,13 +121,18 @@ def orthogonalize_on(
 
     tall = update.size(-2) > update.size(-1)
     x = update.mT if tall else update
-    kernels = x.is_cuda or products != "cublas"  # the CPU runs them only when asked
+    if products == "auto":
+        products = products_for(x) if x.is_cuda else "cublas"
+    # The CPU runs the kernels only when a Triton path is asked for: "auto" is resolved
+    # first, so it keeps the torch expressions there, as the optimizer's other CPU steps do.
+    # (The interpreter truncates fp32 -> bf16 where torch and the GPU round to nearest: the
+    # interpreted normalization lowered the scale and each element of X by up to a bf16 ulp,
+    # which took test_math's 3-D updates from 2.1% to 3.9% off float64.)
+    kernels = x.is_cuda or products != "cublas"
     if sumsq is None:
         # The kernel's order is the prep kernel's, fixed per shape: the same bits as a
         # sumsq handed over by prep, and in any batch.
         sumsq = sum_squares(x) if kernels else sum_squares_reference(x)
-    if products == "auto":
-        products = products_for(x) if x.is_cuda else "cublas"
     tri_gram = products in ("triton", "triton_gram", "triton_all")
     tri_poly = products in ("triton", "triton_poly", "triton_all")
     tri_apply = products in ("triton_apply", "triton_all")
