@@ -1,6 +1,7 @@
 """One Muon / AdamW / Lion step against the float64 re-derivations in reference64.py."""
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -13,13 +14,15 @@ SHAPES = {"wide": (33, 70), "tall": (70, 33), "3d": (3, 20, 36)}
 
 # Orthogonalization runs in bf16 (as dion's does), so the update direction carries bf16
 # rounding, amplified by Polar Express's large coefficients. Measured relative RMS error of the
-# update against float64: 0.8% to 1.9% over 54 cases (the shapes and modes below, 3 seeds;
-# CPU, torch 2.13). The closest wrong variant, Newton-Schulz coefficients in place of Polar
-# Express, measures 6.4%; a wrong lr adjustment or a missed transpose, far more. Hence 3%.
-# After the 2026-12-01 kernel changes (fixed-order sums of squares, kernels/sumsq.py) the 3-D
-# cases measure up to 3.4% on the CPU (cause not isolated yet; the GPU orthogonalizer tests
-# against float64 pass): 4% until it is, still well below the 6.4% of the nearest wrong rule.
-UPDATE_RTOL = 4e-2
+# update against float64 (CPU, torch 2.13, triton 3.9 interpreter, 2026-12-01), fp32
+# parameters: 1.11% to 1.69% on the 2-D cases below, 1.82% to 2.10% on the 3-D ones (1.79% to
+# 2.12% over 20 other seeds); bf16 parameters need at most 1.2% beyond their rounding. The
+# closest wrong variant, Newton-Schulz coefficients in place of Polar Express, measures 6.4%;
+# a wrong lr adjustment or a missed transpose, far more. Hence 3%. (From 0eaf75f to the fix,
+# CPU tensors were normalized by the interpreted Triton kernel, whose fp32 -> bf16 casts
+# truncate: 1.60% to 2.42% on 2-D, 3.07% to 3.94% on 3-D; the bound had been moved to 4%.
+# test_kernels_orthogonalize.py::test_auto_on_the_cpu_is_the_torch_path guards the path.)
+UPDATE_RTOL = 3e-2
 
 
 def _rel(a, b):
@@ -68,7 +71,8 @@ def _two_steps(opt, params, seed):
     ),
 )
 def test_muon_step_matches_float64(dtype, nesterov, adjust_lr, shape):
-    torch.manual_seed(hash((str(dtype), nesterov, adjust_lr, shape)) % 2**31)
+    # A seed fixed per case (hash() of a str is salted per process).
+    torch.manual_seed(zlib.crc32(repr((dtype, nesterov, adjust_lr, shape)).encode()))
     p = torch.nn.Parameter(torch.randn(SHAPES[shape]).to(dtype))
     # bf16 parameters: a large lr makes the step far larger than the bf16 spacing of the
     # weights, so the bound below (rounding + UPDATE_RTOL) cannot pass a wrong update.
