@@ -17,7 +17,13 @@ from muon_offload.tools.workloads import ParamSpec
 
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 HAS_DION = importlib.util.find_spec("dion") is not None
-OURS = ("ours_resident", "ours_offload_fp32", "ours_offload_bf16", "all_at_once")
+OURS = (
+    "ours_resident",
+    "ours_offload_fp32",
+    "ours_offload_bf16",
+    "ours_offload_int8",
+    "all_at_once",
+)
 NEEDS_NO_GPU = pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the bench on a machine without a GPU"
 )
@@ -49,7 +55,15 @@ def test_json_holds_every_mode(tiny_run):
         assert set(TIMED) <= set(r[mode]), mode
         assert 0 < r[mode]["min_s"] <= r[mode]["median_s"] <= r[mode]["max_s"]
         assert r[mode]["steps"] == 7 and r[mode]["peak_added_gib"] is None
-    assert "not applicable" in r["torch_adamw_fused"]["skipped"]
+    assert r["ours_resident_int8"]["median_s"] > 0  # in the main run only
+    for mode in ("ours_offload_fp32", "ours_offload_bf16", "ours_offload_int8", "all_at_once"):
+        assert r[mode]["host_state_gib"] > 0 and r[mode]["floor_s"] is None, mode
+    # 8-bit state's floor is set by the bytes the optimizer holds (tests/test_bench_modes.py
+    # checks them against the state format).
+    assert r["floor"]["int8"]["state_gib"] == r["ours_offload_int8"]["host_state_gib"]
+    assert r["floor"]["int8"]["state_gib"] < r["ours_offload_bf16"]["host_state_gib"]
+    for peer in ("torch_adamw_fused", "torchao_offload"):
+        assert "not applicable" in r[peer]["skipped"]
     dion = r["dion_resident"]
     if HAS_DION:
         assert dion["median_s"] > 0 and dion["all_at_once"]["median_s"] > 0
@@ -78,7 +92,8 @@ def test_json_holds_every_mode(tiny_run):
 
 def test_table_and_figures(tiny_run):
     out, proc, r = tiny_run
-    for label in ("ours resident", "ours offload fp32", "ours offload bf16", "all-at-once"):
+    labels = ("ours resident", "ours offload fp32", "ours offload bf16", "ours offload int8")
+    for label in (*labels, "ours resident int8", "all-at-once", "host GiB", "int8 (codes"):
         assert label in proc.stdout
     assert ("dion resident" if HAS_DION else "dion is not installed") in proc.stdout
     assert "not measured" in proc.stdout

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "multi_gpu.py"
 HAS_DION = importlib.util.find_spec("dion") is not None
+# The modes every run times (the 8-bit ones: test_offloaded_modes_report_host_bytes).
 MODES = ("ours_offload_fp32", "ours_offload_bf16", "ours_resident", "dion_resident", "all_at_once")
 STEPS = 2
 
@@ -102,3 +103,27 @@ def test_parity_with_one_process(tiny_run):
     # Whole expert matrices and element-wise AdamW take the same arithmetic in both runs.
     assert p["by_role"]["experts"]["bitwise"] and p["by_role"]["adamw"]["bitwise"]
     assert "parity" in proc.stdout and "ours offload fp32" in proc.stdout
+
+
+def test_offloaded_modes_report_host_bytes(tiny_run):
+    """Each offloaded mode reports every rank's host state bytes (the optimizer's own figure);
+    fp32's hold at least the fp32 state. 8-bit state on DTensor parameters is refused by the
+    optimizer so far: then its rows say why, and nothing else ran."""
+    proc, r = tiny_run
+    modes, state = r["modes"], r["model"]["state_bytes_per_rank"]
+    fp32 = modes["ours_offload_fp32"]["host_state_bytes_per_rank"]
+    assert all(h >= s for h, s in zip(fp32, state, strict=True))
+    assert modes["ours_offload_fp32"]["floor_s"] is None  # no GPU: no bandwidth
+    bf16 = modes["ours_offload_bf16"]["host_state_bytes_per_rank"]
+    assert all(b < f for b, f in zip(bf16, fp32, strict=True))
+    for mode in ("ours_offload_int8", "ours_resident_int8"):
+        m = modes[mode]
+        if "skipped" in m:
+            assert "int8" in m["skipped"] and "DTensor" in m["skipped"], m["skipped"]
+            assert "ours " + mode.split("_", 1)[1].replace("_", " ") in proc.stdout
+        else:
+            assert m["steps"] == STEPS and m["median_s"] > 0
+    int8 = modes["ours_offload_int8"]
+    if "skipped" not in int8:
+        assert all(i < f for i, f in zip(int8["host_state_bytes_per_rank"], fp32, strict=True))
+        assert r["floor"]["int8"]["floor_s"] is None
