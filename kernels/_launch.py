@@ -245,16 +245,24 @@ class Tuner:
             return fast
         if bench is None:
             return configs[0]
-        timings = []
+        timings, failures = [], []
         for config in configs:
             try:
                 timings.append((bench(config), config))
-            except Exception:  # a config that fails to compile or launch is skipped
-                continue
+            except Exception as err:  # a config that fails to compile or launch is skipped
+                failures.append((config, err))
         if not timings:
-            raise RuntimeError(f"no config of {kernel} ran for key {key}")
+            config, err = failures[0]
+            raise RuntimeError(
+                f"no config of {kernel} ran for key {key}; the first, {config.label()}, "
+                f"failed with {type(err).__name__}: {err}"
+            ) from err
+        if failures:  # kept beside the timings: `muon-offload tune` and the cache show them
+            failed = {c.label(): f"{type(e).__name__}: {e}"[:300] for c, e in failures}
         ms, best = min(timings, key=lambda t: t[0])
         entry = {"config": asdict(best), "ms": ms, "all_ms": {c.label(): t for t, c in timings}}
+        if failures:
+            entry["failed"] = failed
         with self._lock:
             self._memory[name] = entry
             self.last[kernel] = {"key": name, **entry}

@@ -178,3 +178,40 @@ def test_interpreter_uses_single_config():
         "adamw", ("x",), [], INTERPRETER_CONFIG, torch.device("cpu"), bench=None
     )
     assert config == INTERPRETER_CONFIG
+
+
+def _tuning_as_on_a_gpu(monkeypatch, tmp_path):
+    """A fresh tuner that times configs as it would on CUDA (nothing here touches a GPU)."""
+    tuner = _launch.Tuner()
+    monkeypatch.setattr(_launch, "interpreted", lambda: False)
+    monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "1")
+    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
+    return tuner
+
+
+def test_tuner_names_the_error_when_no_config_runs(monkeypatch, tmp_path):
+    """Every config failing (e.g. a kernel that does not compile) must say why, not only that
+    no config ran: the cause travels with the error."""
+    tuner = _tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    configs = [_launch.Config(block=256), _launch.Config(block=512)]
+
+    def bench(config):
+        raise ValueError(f"cannot compile at block {config.block}")
+
+    with pytest.raises(RuntimeError, match="block=256.*ValueError: cannot compile") as info:
+        tuner.choose("k", ("x",), configs, configs[0], torch.device("cuda"), bench)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_tuner_records_the_configs_that_failed(monkeypatch, tmp_path):
+    tuner = _tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    configs = [_launch.Config(block=256), _launch.Config(block=512)]
+
+    def bench(config):
+        if config.block == 256:
+            raise ValueError("out of shared memory")
+        return 1.0
+
+    chosen = tuner.choose("k", ("x",), configs, configs[0], torch.device("cuda"), bench)
+    assert chosen == configs[1]
+    assert tuner.last["k"]["failed"] == {"block=256 warps=4": "ValueError: out of shared memory"}
