@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("muon-offload tune: needs a CUDA GPU (tuning times kernels on the device)")
         return 2
-    from muon_offload.kernels import _launch
+    from muon_offload.kernels import tuning
     from muon_offload.kernels.elementwise import adamw_
     from muon_offload.kernels.muon import muon_apply_, muon_prep
 
@@ -66,13 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p_dt, g_dt, s_dt = (DTYPES[d] for d in (args.param_dtype, args.grad_dtype, args.state_dtype))
     sz = {d: torch.empty((), dtype=d).element_size() for d in (p_dt, g_dt, s_dt)}
     specs = workload(args.workload, args.layers)
-    _launch.TUNER.retune = not args.cached
     rows = []
 
     def record(kernel: str, shape: str, nbytes: int) -> None:
-        last = _launch.TUNER.last.get(kernel, {})
-        ms = last.get("ms", float("nan"))
-        label = _launch.Config(**last["config"]).label() if "config" in last else "?"
+        label, ms = tuning.last_choice(kernel) or ("?", float("nan"))
         rows.append(
             {
                 "kernel": kernel,
@@ -87,43 +84,43 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(shape, device=device)
         return (x.abs_().add_(1e-3) if positive else x).to(dtype)
 
-    adamw = [s for s in specs if s.algorithm == "adamw"]
-    if adamw:
-        p = [rand(s.shape, p_dt) for s in adamw]
-        g = [rand(s.shape, g_dt) for s in adamw]
-        m = [rand(s.shape, s_dt) for s in adamw]
-        v = [rand(s.shape, s_dt, positive=True) for s in adamw]
-        adamw_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
-        n = sum(s.numel for s in adamw)
-        record(
-            "adamw",
-            f"{len(adamw)} tensors, {n} elements",
-            n * (2 * sz[p_dt] + sz[g_dt] + 4 * sz[s_dt]),
-        )
-        del p, g, m, v
+    with tuning.retuning(not args.cached):
+        adamw = [s for s in specs if s.algorithm == "adamw"]
+        if adamw:
+            p = [rand(s.shape, p_dt) for s in adamw]
+            g = [rand(s.shape, g_dt) for s in adamw]
+            m = [rand(s.shape, s_dt) for s in adamw]
+            v = [rand(s.shape, s_dt, positive=True) for s in adamw]
+            adamw_(p, g, m, v, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+            n = sum(s.numel for s in adamw)
+            record(
+                "adamw",
+                f"{len(adamw)} tensors, {n} elements",
+                n * (2 * sz[p_dt] + sz[g_dt] + 4 * sz[s_dt]),
+            )
+            del p, g, m, v
 
-    for shape, count in Counter(s.shape for s in specs if s.algorithm == "muon").items():
-        batch = min(count, args.batch)
-        numel = shape[0] * shape[1]
-        mom = [rand(shape, s_dt) for _ in range(batch)]
-        grads = [rand(shape, g_dt) for _ in range(batch)]
-        out, _ = muon_prep(mom, grads, mu=0.95, nesterov=True)
-        label = f"{batch} x {shape[0]}x{shape[1]}"
-        record("muon_prep", label, batch * numel * (2 * sz[s_dt] + sz[g_dt] + 2))
-        params = [rand(shape, p_dt) for _ in range(batch)]
-        tall = shape[0] > shape[1]
-        update = out.mT.contiguous().mT if tall else out  # orthogonalize's layout
-        muon_apply_(params, update, lr=0.02, weight_decay=0.1, adjusted_lr=0.02)
-        record(
-            "muon_apply",
-            label + (" (U transposed)" if tall else ""),
-            batch * numel * (2 * sz[p_dt] + 2),
-        )
-        del mom, grads, out, params, update
-    torch.cuda.synchronize()
-    _launch.TUNER.retune = False
+        for shape, count in Counter(s.shape for s in specs if s.algorithm == "muon").items():
+            batch = min(count, args.batch)
+            numel = shape[0] * shape[1]
+            mom = [rand(shape, s_dt) for _ in range(batch)]
+            grads = [rand(shape, g_dt) for _ in range(batch)]
+            out, _ = muon_prep(mom, grads, mu=0.95, nesterov=True)
+            label = f"{batch} x {shape[0]}x{shape[1]}"
+            record("muon_prep", label, batch * numel * (2 * sz[s_dt] + sz[g_dt] + 2))
+            params = [rand(shape, p_dt) for _ in range(batch)]
+            tall = shape[0] > shape[1]
+            update = out.mT.contiguous().mT if tall else out  # orthogonalize's layout
+            muon_apply_(params, update, lr=0.02, weight_decay=0.1, adjusted_lr=0.02)
+            record(
+                "muon_apply",
+                label + (" (U transposed)" if tall else ""),
+                batch * numel * (2 * sz[p_dt] + 2),
+            )
+            del mom, grads, out, params, update
+        torch.cuda.synchronize()
 
-    print(f"{torch.cuda.get_device_name(device)}; cache {_launch.Tuner.cache_path(device)}")
+    print(f"{torch.cuda.get_device_name(device)}; cache {tuning.cache_path(device)}")
     print(f"{'kernel':<11} {'shape':<34} {'config':<34} {'ms':>8} {'GB/s':>8}")
     for r in rows:
         print(
