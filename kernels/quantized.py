@@ -60,22 +60,6 @@ from .elementwise import _lerp, _typed
 QBLOCK = 256
 
 
-# Not yet compiled on a GPU: on the H200 (triton 3.6, 2026-12-01) elementwise.py's kernels built
-# on this helper failed to compile, so they went back to their own loops; the 8-bit kernels
-# still use it and the engine runs 8-bit state through the torch references on CUDA until
-# they pass there (engine/dispatch.py).
-@triton.jit
-def for_each_tile(TILE: tl.constexpr, ptrs, scalars, count, BLOCK: tl.constexpr):
-    """Run ``TILE(ptrs, scalars, start, count, BLOCK, MASKED)`` over ``count`` elements in
-    tiles of ``BLOCK``: full tiles without a mask, so accesses stay 16 bytes wide, then one
-    masked tail. ``ptrs`` and ``scalars`` are tuples the tile function unpacks."""
-    n_full = count // BLOCK
-    for i_t in range(n_full):
-        TILE(ptrs, scalars, i_t * BLOCK, count, BLOCK, False)
-    if n_full * BLOCK < count:
-        TILE(ptrs, scalars, n_full * BLOCK, count, BLOCK, True)
-
-
 @dataclass(frozen=True)
 class CodeMap:
     signed: bool
@@ -134,16 +118,15 @@ _SALT_V = tl.constexpr(MAPS["adam_v"].salt)
 
 
 @triton.jit
-def _block_tile(start, count, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def _block_tile(start, BLOCK: tl.constexpr):
     """A tile of BLOCK elements from ``start`` as [BLOCK / QBLOCK, QBLOCK]: element offsets,
-    block indices, column in the block, and the element and block masks when MASKED."""
+    block indices and column in the block. (Its masks are made by the caller: a jit function
+    cannot return None for the unmasked tiles.)"""
     NB: tl.constexpr = BLOCK // _QB
     i_b = start // _QB + tl.arange(0, NB)
     col = tl.arange(0, _QB)
     offs = start + tl.arange(0, NB)[:, None] * _QB + col[None, :]
-    if MASKED:
-        return offs, i_b, col, offs < count, i_b * _QB < count
-    return offs, i_b, col, None, None
+    return offs, i_b, col
 
 
 @triton.jit
@@ -216,10 +199,28 @@ def _encode(
 
 
 @triton.jit
-def _adamw8_tile(ptrs, scalars, start, count, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr = ptrs
-    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = scalars
-    offs, i_b, col, mask, bmask = _block_tile(start, count, BLOCK, MASKED)
+def _adamw8_tile(
+    p_ptr,
+    g_ptr,
+    mc_ptr,
+    ms_ptr,
+    vc_ptr,
+    vs_ptr,
+    start,
+    count,
+    w1,
+    beta2,
+    omb2,
+    eps,
+    decay,
+    step_size,
+    bc2_sqrt,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    offs, i_b, col = _block_tile(start, BLOCK)
+    mask = offs < count if MASKED else None
+    bmask = i_b * _QB < count if MASKED else None
     p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
     m = _decode(
@@ -266,23 +267,73 @@ def _adamw8_kernel(
     row = table + i_p * 8
     start = tl.load(row + 6)  # a multiple of the chunk, so of QBLOCK
     count = tl.load(row + 7)
-    ptrs = (
-        _typed(row, 0, P_DTYPE, start, ALIGNED),
-        _typed(row, 1, G_DTYPE, start, ALIGNED),
-        _typed(row, 2, tl.int8, start, ALIGNED),
-        _typed(row, 3, tl.float32, start // _QB, False),
-        _typed(row, 4, tl.uint8, start, ALIGNED),
-        _typed(row, 5, tl.float32, start // _QB, False),
-    )
-    scalars = (w1, beta2, omb2, eps, decay, step_size, bc2_sqrt)
-    for_each_tile(_adamw8_tile, ptrs, scalars, count, BLOCK)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
+    ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
+    vc_ptr = _typed(row, 4, tl.uint8, start, ALIGNED)
+    vs_ptr = _typed(row, 5, tl.float32, start // _QB, False)
+    n_full = count // BLOCK
+    for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
+        _adamw8_tile(
+            p_ptr,
+            g_ptr,
+            mc_ptr,
+            ms_ptr,
+            vc_ptr,
+            vs_ptr,
+            i_t * BLOCK,
+            count,
+            w1,
+            beta2,
+            omb2,
+            eps,
+            decay,
+            step_size,
+            bc2_sqrt,
+            BLOCK,
+            False,
+        )
+    if n_full * BLOCK < count:
+        _adamw8_tile(
+            p_ptr,
+            g_ptr,
+            mc_ptr,
+            ms_ptr,
+            vc_ptr,
+            vs_ptr,
+            n_full * BLOCK,
+            count,
+            w1,
+            beta2,
+            omb2,
+            eps,
+            decay,
+            step_size,
+            bc2_sqrt,
+            BLOCK,
+            True,
+        )
 
 
 @triton.jit
-def _lion8_tile(ptrs, scalars, start, count, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    p_ptr, g_ptr, mc_ptr, ms_ptr = ptrs
-    w1, w2, decay, lr = scalars
-    offs, i_b, col, mask, bmask = _block_tile(start, count, BLOCK, MASKED)
+def _lion8_tile(
+    p_ptr,
+    g_ptr,
+    mc_ptr,
+    ms_ptr,
+    start,
+    count,
+    w1,
+    w2,
+    decay,
+    lr,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    offs, i_b, col = _block_tile(start, BLOCK)
+    mask = offs < count if MASKED else None
+    bmask = i_b * _QB < count if MASKED else None
     p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
     m = _decode(
@@ -318,22 +369,38 @@ def _lion8_kernel(
     row = table + i_p * 6
     start = tl.load(row + 4)
     count = tl.load(row + 5)
-    ptrs = (
-        _typed(row, 0, P_DTYPE, start, ALIGNED),
-        _typed(row, 1, G_DTYPE, start, ALIGNED),
-        _typed(row, 2, tl.int8, start, ALIGNED),
-        _typed(row, 3, tl.float32, start // _QB, False),
-    )
-    for_each_tile(_lion8_tile, ptrs, (w1, w2, decay, lr), count, BLOCK)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
+    ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
+    n_full = count // BLOCK
+    for i_t in range(n_full):
+        _lion8_tile(
+            p_ptr, g_ptr, mc_ptr, ms_ptr, i_t * BLOCK, count, w1, w2, decay, lr, BLOCK, False
+        )
+    if n_full * BLOCK < count:
+        _lion8_tile(
+            p_ptr, g_ptr, mc_ptr, ms_ptr, n_full * BLOCK, count, w1, w2, decay, lr, BLOCK, True
+        )
 
 
 @triton.jit
 def _prep8_tile(
-    ptrs, mu, start, count, BLOCK: tl.constexpr, MASKED: tl.constexpr, NESTEROV: tl.constexpr
+    mc_ptr,
+    ms_ptr,
+    g_ptr,
+    u_ptr,
+    mu,
+    start,
+    count,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+    NESTEROV: tl.constexpr,
 ):
     """Returns the tile's sums of squares of the stored update a block (masked elements: 0)."""
-    mc_ptr, ms_ptr, g_ptr, u_ptr = ptrs
-    offs, i_b, col, mask, bmask = _block_tile(start, count, BLOCK, MASKED)
+    offs, i_b, col = _block_tile(start, BLOCK)
+    mask = offs < count if MASKED else None
+    bmask = i_b * _QB < count if MASKED else None
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
     m = _decode(
         _ld(mc_ptr + offs, mask, MASKED),
@@ -370,20 +437,21 @@ def _prep8_kernel(
     i_m = tl.program_id(1).to(tl.int64)
     row = table + i_m * 3
     start = i_c * CHUNK
-    ptrs = (
-        _typed(row, 0, tl.int8, start, ALIGNED),
-        _typed(row, 1, tl.float32, start // _QB, False),
-        _typed(row, 2, G_DTYPE, start, ALIGNED),
-        out + i_m * numel + start,
-    )
+    mc_ptr = _typed(row, 0, tl.int8, start, ALIGNED)
+    ms_ptr = _typed(row, 1, tl.float32, start // _QB, False)
+    g_ptr = _typed(row, 2, G_DTYPE, start, ALIGNED)
+    u_ptr = out + i_m * numel + start
     count = tl.minimum(numel - start, CHUNK)
     acc = tl.zeros([BLOCK // _QB], dtype=tl.float32)
-    # The loop of for_each_tile, with a result to accumulate.
     n_full = count // BLOCK
     for i_t in range(n_full):
-        acc += _prep8_tile(ptrs, mu, i_t * BLOCK, count, BLOCK, False, NESTEROV)
+        acc += _prep8_tile(
+            mc_ptr, ms_ptr, g_ptr, u_ptr, mu, i_t * BLOCK, count, BLOCK, False, NESTEROV
+        )
     if n_full * BLOCK < count:
-        acc += _prep8_tile(ptrs, mu, n_full * BLOCK, count, BLOCK, True, NESTEROV)
+        acc += _prep8_tile(
+            mc_ptr, ms_ptr, g_ptr, u_ptr, mu, n_full * BLOCK, count, BLOCK, True, NESTEROV
+        )
     tl.store(partial + i_m * chunks + i_c, tl.sum(acc, axis=0))
 
 

@@ -38,9 +38,10 @@ def muon_apply_(backend: str, params, update: Tensor, **hyper) -> None:
 
 
 # 8-bit state (kernels/quantized.py), imported where it is used: a dense optimizer never
-# loads it. Its Triton kernels have not yet compiled on the GPU (H200, triton 3.6,
-# 2026-12-01), so CUDA tensors take the torch references (the same math, unfused) unless
-# backend="triton" asks for the kernels.
+# loads it. Its Triton kernels now compile for sm_90 with triton 3.6 (checked without a GPU
+# by tests/kernel_compile_check.py) but have not yet run on one: until a GPU run checks them,
+# CUDA tensors take the torch references (the same math, unfused) unless backend="triton"
+# asks for the kernels.
 def _use_triton8(backend: str, tensor: Tensor) -> bool:
     return backend == "triton"
 
