@@ -15,7 +15,13 @@ import platform
 
 import torch
 import triton
-from muon_offload.kernels import elementwise, muon, quantized
+from muon_offload.kernels import (
+    elementwise,
+    muon,
+    quant_maps,
+    quantized_elementwise,
+    quantized_muon,
+)
 from muon_offload.kernels._launch import bench_ms
 
 N = 64 << 20
@@ -25,8 +31,8 @@ def _adamw_cases(n: int, dtype: torch.dtype):
     p = torch.randn(n, device="cuda", dtype=dtype)
     g = torch.randn(n, device="cuda", dtype=dtype)
     m, v = torch.randn(n, device="cuda"), torch.rand(n, device="cuda")
-    mc, ms = quantized.quantize(torch.randn(n, device="cuda"), "adam_m")
-    vc, vs = quantized.quantize(torch.rand(n, device="cuda"), "adam_v")
+    mc, ms = quant_maps.quantize(torch.randn(n, device="cuda"), "adam_m")
+    vc, vs = quant_maps.quantize(torch.rand(n, device="cuda"), "adam_v")
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=10)
     pg = 2 * n * dtype.itemsize  # p, g read
     scales = 4 * ms.numel()
@@ -36,7 +42,7 @@ def _adamw_cases(n: int, dtype: torch.dtype):
             pg + n * dtype.itemsize + 2 * 8 * n,  # + p written, m, v read and written
         ),
         "adamw8_": (
-            lambda: quantized.adamw8_([p], [g], [mc], [ms], [vc], [vs], **hyper),
+            lambda: quantized_elementwise.adamw8_([p], [g], [mc], [ms], [vc], [vs], **hyper),
             pg + n * dtype.itemsize + 2 * 2 * (n + scales),
         ),
     }
@@ -47,7 +53,7 @@ def _prep_cases(n: int, dtype: torch.dtype):
     batch = n // (rows * cols)
     g = [torch.randn(rows, cols, device="cuda", dtype=dtype) for _ in range(batch)]
     m = [torch.randn(rows, cols, device="cuda") for _ in range(batch)]
-    pairs = [quantized.quantize(torch.randn(rows, cols, device="cuda"), "momentum") for _ in g]
+    pairs = [quant_maps.quantize(torch.randn(rows, cols, device="cuda"), "momentum") for _ in g]
     mc, ms = [c for c, _ in pairs], [s for _, s in pairs]
     out = torch.empty(batch, rows, cols, dtype=torch.bfloat16, device="cuda")
     scales = 4 * sum(s.numel() for s in ms)
@@ -58,7 +64,7 @@ def _prep_cases(n: int, dtype: torch.dtype):
             gu + 8 * n,
         ),
         "muon_prep8": (
-            lambda: quantized.muon_prep8(mc, ms, g, mu=0.95, nesterov=True, out=out),
+            lambda: quantized_muon.muon_prep8(mc, ms, g, mu=0.95, nesterov=True, out=out),
             gu + 2 * (n + scales),
         ),
     }

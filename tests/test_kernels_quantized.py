@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 from _kernel_utils import DEVICES, INTERPRETED, bf16_ulp, randn
-from muon_offload.kernels import quantized as q
+from muon_offload.kernels import quant_maps
+from muon_offload.kernels import quantized_elementwise as ew8
+from muon_offload.kernels import quantized_muon as muon8
 from muon_offload.kernels.elementwise import adamw_reference_
 
 # Odd sizes: a partial last block (4097 = 16 blocks + 1, 63 < one block), one exact block,
@@ -24,16 +26,16 @@ def _state(kind, n, device, seed=0):
     x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))
     if kind == "adam_v":
         x = x.square()
-    codes, scales = q.quantize(x, kind)
+    codes, scales = quant_maps.quantize(x, kind)
     return codes.to(device), scales.to(device)
 
 
 def _bracket64(x: torch.Tensor, kind: str):
     """The two code values (float64) around each element of x: any rounding gives one."""
-    cmap = q.MAPS[kind]
+    cmap = quant_maps.MAPS[kind]
     flat = x.double().reshape(-1)
-    pad = -flat.numel() % q.QBLOCK
-    xb = torch.nn.functional.pad(flat, (0, pad)).view(-1, q.QBLOCK)
+    pad = -flat.numel() % quant_maps.QBLOCK
+    xb = torch.nn.functional.pad(flat, (0, pad)).view(-1, quant_maps.QBLOCK)
     amax = xb.abs().amax(1, keepdim=True)
     y = xb.abs() / amax.clamp_min(1e-300)
     c = torch.floor(y ** (1 / cmap.power) * cmap.cmax + 1e-9).clamp(max=cmap.cmax)
@@ -60,17 +62,19 @@ def test_quantize_round_trip_within_one_code_step(kind):
     x = randn(4097, F32, "cpu") * torch.exp(randn(4097, F32, "cpu"))
     if kind == "adam_v":
         x = x.square()
-    codes, scales = q.quantize(x, kind)
-    assert codes.dtype == q.CODE_DTYPES[kind] and codes.shape == x.shape
-    assert scales.dtype == F32 and scales.shape == (math.ceil(4097 / q.QBLOCK),)
-    deq = q.dequantize(codes, scales, kind)
+    codes, scales = quant_maps.quantize(x, kind)
+    assert codes.dtype == quant_maps.CODE_DTYPES[kind] and codes.shape == x.shape
+    assert scales.dtype == F32 and scales.shape == (math.ceil(4097 / quant_maps.QBLOCK),)
+    deq = quant_maps.dequantize(codes, scales, kind)
     _assert_within_step(deq, x, kind)
     # The block's largest element is exact (its code is cmax).
-    blocks = torch.nn.functional.pad(x.abs(), (0, -4097 % q.QBLOCK)).view(-1, q.QBLOCK)
+    blocks = torch.nn.functional.pad(x.abs(), (0, -4097 % quant_maps.QBLOCK)).view(
+        -1, quant_maps.QBLOCK
+    )
     assert torch.equal(scales, blocks.amax(1))
     # Decoding is a fixed function of the codes: quantizing the decoded state again gives it back.
-    codes2, scales2 = q.quantize(deq, kind)
-    assert torch.equal(q.dequantize(codes2, scales2, kind), deq)
+    codes2, scales2 = quant_maps.quantize(deq, kind)
+    assert torch.equal(quant_maps.dequantize(codes2, scales2, kind), deq)
 
 
 @pytest.mark.parametrize("kind", ["momentum", "adam_m", "adam_v"])
@@ -78,16 +82,16 @@ def test_stochastic_rounding_is_unbiased(kind):
     """Many copies of one value between two codes (in different blocks and columns, so with
     different noise) average to the value: the rounding is unbiased in value space, which is
     what keeps a slowly moving EMA from stalling."""
-    cmap, blocks = q.MAPS[kind], 64
+    cmap, blocks = quant_maps.MAPS[kind], 64
     # A quarter of the way from one code to the next: round-to-nearest would always round
     # down, a bias of a quarter step.
     c = math.floor(0.3 ** (1 / cmap.power) * cmap.cmax)
     lo, hi = (c / cmap.cmax) ** cmap.power, ((c + 1) / cmap.cmax) ** cmap.power
-    x = torch.full((blocks, q.QBLOCK), 0.75 * lo + 0.25 * hi, dtype=torch.float64)
-    x += torch.arange(blocks * q.QBLOCK).view(blocks, -1) * 1e-9  # distinct bits, so noise
+    x = torch.full((blocks, quant_maps.QBLOCK), 0.75 * lo + 0.25 * hi, dtype=torch.float64)
+    x += torch.arange(blocks * quant_maps.QBLOCK).view(blocks, -1) * 1e-9  # distinct bits, so noise
     x[:, 0] = 1.0  # the absmax of every block
     x = x.float()
-    deq = q.dequantize(*q.quantize(x, kind), kind)
+    deq = quant_maps.dequantize(*quant_maps.quantize(x, kind), kind)
     _assert_within_step(deq, x, kind)
     lo, hi = _bracket64(x, kind)
     step = (hi - lo)[1:].max().item()
@@ -142,8 +146,8 @@ def _assert_params(actual, expected):
 def test_adamw8_matches_reference(device, p_dtype):
     lists = _lists(device, p_dtype, ["adam_m", "adam_v"])
     ref = _clone(lists)
-    q.adamw8_(*lists, **ADAMW, step=7)
-    q.adamw8_reference_(*ref, **ADAMW, step=7)
+    ew8.adamw8_(*lists, **ADAMW, step=7)
+    ew8.adamw8_reference_(*ref, **ADAMW, step=7)
     _assert_params(lists[0], ref[0])
     for j in range(2, 6):
         _assert_codes_match(lists[j], ref[j], device)
@@ -154,8 +158,8 @@ def test_adamw8_matches_reference(device, p_dtype):
 def test_lion8_matches_reference(device, p_dtype):
     lists = _lists(device, p_dtype, ["momentum"])
     ref = _clone(lists)
-    q.lion8_(*lists, **LION)
-    q.lion8_reference_(*ref, **LION)
+    ew8.lion8_(*lists, **LION)
+    ew8.lion8_reference_(*ref, **LION)
     _assert_params(lists[0], ref[0])
     for j in (2, 3):
         _assert_codes_match(lists[j], ref[j], device)
@@ -177,8 +181,8 @@ def test_muon_prep8_matches_reference(device, nesterov):
     ref = _clone([codes, scales, grads])
     out = torch.full((3, 37, 53), float("nan"), dtype=BF16, device=device)  # all must be written
     sumsq = torch.full((3,), float("nan"), device=device)
-    u, s = q.muon_prep8(codes, scales, grads, mu=0.95, nesterov=nesterov, out=out, sumsq=sumsq)
-    u_ref, s_ref = q.muon_prep8_reference(*ref, mu=0.95, nesterov=nesterov)
+    u, s = muon8.muon_prep8(codes, scales, grads, mu=0.95, nesterov=nesterov, out=out, sumsq=sumsq)
+    u_ref, s_ref = muon8.muon_prep8_reference(*ref, mu=0.95, nesterov=nesterov)
     _assert_codes_match(codes, ref[0], device)
     _assert_codes_match(scales, ref[1], device)
     _assert_params(list(u), list(u_ref))
@@ -192,8 +196,8 @@ def test_muon_prep8_same_bits_in_any_batch(device):
     """A matrix prepared alone or beside others: the same update, codes and sum, bit for bit."""
     codes, scales, grads = _prep_inputs(device, 3)
     alone = _clone([codes[1:2], scales[1:2], grads[1:2]])
-    u, s = q.muon_prep8(codes, scales, grads, mu=0.9, nesterov=True)
-    u1, s1 = q.muon_prep8(*alone, mu=0.9, nesterov=True)
+    u, s = muon8.muon_prep8(codes, scales, grads, mu=0.9, nesterov=True)
+    u1, s1 = muon8.muon_prep8(*alone, mu=0.9, nesterov=True)
     assert torch.equal(u[1], u1[0]) and torch.equal(s[1:2], s1)
     assert torch.equal(codes[1], alone[0][0]) and torch.equal(scales[1], alone[1][0])
 
@@ -203,11 +207,11 @@ def test_references_match_float64_rederivation():
     parameter to fp32 rounding, the new state within one code step of the float64 state."""
     lists = _lists("cpu", F32, ["adam_m", "adam_v"])
     p0, g, mc0, ms0, vc0, vs0 = _clone(lists)
-    q.adamw8_reference_(*lists, **ADAMW, step=3)
+    ew8.adamw8_reference_(*lists, **ADAMW, step=3)
     h = ADAMW
     for i in range(len(SIZES)):
-        m = q.dequantize(mc0[i], ms0[i], "adam_m").double()
-        v = q.dequantize(vc0[i], vs0[i], "adam_v").double()
+        m = quant_maps.dequantize(mc0[i], ms0[i], "adam_m").double()
+        v = quant_maps.dequantize(vc0[i], vs0[i], "adam_v").double()
         g64 = g[i].double()
         m = h["beta1"] * m + (1 - h["beta1"]) * g64
         v = h["beta2"] * v + (1 - h["beta2"]) * g64 * g64
@@ -218,22 +222,26 @@ def test_references_match_float64_rederivation():
         )
         # fp32 rounding of p (|p| ~ 1, ulp 1.2e-7): measured 8e-9 at most.
         torch.testing.assert_close(lists[0][i].double(), p, rtol=1e-5, atol=1e-7)
-        _assert_within_step(q.dequantize(lists[2][i], lists[3][i], "adam_m"), m, "adam_m")
-        _assert_within_step(q.dequantize(lists[4][i], lists[5][i], "adam_v"), v, "adam_v")
+        _assert_within_step(quant_maps.dequantize(lists[2][i], lists[3][i], "adam_m"), m, "adam_m")
+        _assert_within_step(quant_maps.dequantize(lists[4][i], lists[5][i], "adam_v"), v, "adam_v")
     # Lion and Muon prep: the momentum rule in float64.
     lists = _lists("cpu", F32, ["momentum"])
     p0, g, mc0, ms0 = _clone(lists)
-    q.lion8_reference_(*lists, **LION)
+    ew8.lion8_reference_(*lists, **LION)
     for i in range(len(SIZES)):
-        m = q.dequantize(mc0[i], ms0[i], "momentum").double()
+        m = quant_maps.dequantize(mc0[i], ms0[i], "momentum").double()
         m = LION["beta2"] * m + (1 - LION["beta2"]) * g[i].double()
-        _assert_within_step(q.dequantize(lists[2][i], lists[3][i], "momentum"), m, "momentum")
+        _assert_within_step(
+            quant_maps.dequantize(lists[2][i], lists[3][i], "momentum"), m, "momentum"
+        )
     codes, scales, grads = _prep_inputs("cpu", 2)
-    before = [q.dequantize(c, s, "momentum").double() for c, s in zip(codes, scales, strict=True)]
-    u, _ = q.muon_prep8_reference(codes, scales, grads, mu=0.95, nesterov=False)
+    before = [
+        quant_maps.dequantize(c, s, "momentum").double() for c, s in zip(codes, scales, strict=True)
+    ]
+    u, _ = muon8.muon_prep8_reference(codes, scales, grads, mu=0.95, nesterov=False)
     for i in range(2):
         m = 0.95 * before[i] + grads[i].double()
-        _assert_within_step(q.dequantize(codes[i], scales[i], "momentum"), m, "momentum")
+        _assert_within_step(quant_maps.dequantize(codes[i], scales[i], "momentum"), m, "momentum")
         assert ((u[i].double() - m).abs() <= bf16_ulp(m) * 0.5 + 1e-12).all()
 
 
@@ -245,8 +253,8 @@ def test_nan_gradient_poisons_only_its_blocks(device):
     lists = _lists(device, F32, ["adam_m", "adam_v"])
     clean = _clone(lists)
     lists[1][0][300] = float("nan")  # block 1 of segment 0
-    q.adamw8_(*lists, **ADAMW, step=2)
-    q.adamw8_(*clean, **ADAMW, step=2)
+    ew8.adamw8_(*lists, **ADAMW, step=2)
+    ew8.adamw8_(*clean, **ADAMW, step=2)
     for j in (3, 5):
         assert torch.isnan(lists[j][0][1]) and not torch.isnan(clean[j][0][1])
         keep = torch.ones_like(lists[j][0], dtype=torch.bool)
@@ -258,7 +266,7 @@ def test_nan_gradient_poisons_only_its_blocks(device):
         assert (lists[j][0][256:512] == 0).all()
     assert torch.isnan(lists[0][0][300]) and torch.isnan(lists[0][0]).sum() == 1
     # The next step: the poisoned block's elements turn NaN, nothing else does.
-    q.adamw8_(*lists, **ADAMW, step=3)
+    ew8.adamw8_(*lists, **ADAMW, step=3)
     assert torch.isnan(lists[0][0][256:512]).all()
     assert not torch.isnan(lists[0][0][:256]).any() and not torch.isnan(lists[0][0][512:]).any()
     assert not any(torch.isnan(t).any() for t in lists[0][1:])
@@ -273,7 +281,10 @@ def _adam_run(steps, n=4096, seed=0):
     mean = 0.3 * torch.randn(n, generator=gen)
     p8, p32 = randn(n, F32, "cpu"), None
     p32 = p8.clone()
-    m8, v8 = q.quantize(torch.zeros(n), "adam_m"), q.quantize(torch.zeros(n), "adam_v")
+    m8, v8 = (
+        quant_maps.quantize(torch.zeros(n), "adam_m"),
+        quant_maps.quantize(torch.zeros(n), "adam_v"),
+    )
     m8, v8 = list(m8), list(v8)
     m32, v32 = torch.zeros(n), torch.zeros(n)
     dead = torch.zeros(n, dtype=torch.bool)
@@ -285,9 +296,17 @@ def _adam_run(steps, n=4096, seed=0):
             s[: n // 4] *= 0.1
             s[dead] = 0
         g = s * (mean + torch.randn(n, generator=gen))
-        q.adamw8_reference_([p8], [g], [m8[0]], [m8[1]], [v8[0]], [v8[1]], **hyper, step=t)
+        ew8.adamw8_reference_([p8], [g], [m8[0]], [m8[1]], [v8[0]], [v8[1]], **hyper, step=t)
         adamw_reference_([p32], [g], [m32], [v32], **hyper, step=t)
-    return p8, p32, q.dequantize(*m8, "adam_m"), m32, q.dequantize(*v8, "adam_v"), v32, dead
+    return (
+        p8,
+        p32,
+        quant_maps.dequantize(*m8, "adam_m"),
+        m32,
+        quant_maps.dequantize(*v8, "adam_v"),
+        v32,
+        dead,
+    )
 
 
 def test_200_steps_track_fp32_state():
@@ -316,15 +335,15 @@ def test_checks_refuse_wrong_layouts(device):
     bad = _clone(lists)
     bad[3][0] = bad[3][0][:-1]  # one scale short
     with pytest.raises(ValueError, match="scales"):
-        q.adamw8_(*bad, **ADAMW, step=1)
+        ew8.adamw8_(*bad, **ADAMW, step=1)
     bad = _clone(lists)
     bad[4][0] = bad[4][0].view(torch.int8)  # v codes must be uint8
     with pytest.raises(ValueError, match="uint8"):
-        q.adamw8_(*bad, **ADAMW, step=1)
+        ew8.adamw8_(*bad, **ADAMW, step=1)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="interpreter only")
 def test_interpreter_config_covers_tail_and_several_tiles():
-    assert q.INTERPRETER_CONFIG.chunk % q.INTERPRETER_CONFIG.block == 0
-    assert q.INTERPRETER_CONFIG.block % q.QBLOCK == 0
-    assert all(c.block % q.QBLOCK == 0 and c.chunk % c.block == 0 for c in q.CONFIGS)
+    assert ew8.INTERPRETER_CONFIG.chunk % ew8.INTERPRETER_CONFIG.block == 0
+    assert ew8.INTERPRETER_CONFIG.block % quant_maps.QBLOCK == 0
+    assert all(c.block % quant_maps.QBLOCK == 0 and c.chunk % c.block == 0 for c in ew8.CONFIGS)

@@ -165,10 +165,10 @@ def copy_state(opt, loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]]) -> None
 
 
 def _decode(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
-    from ..kernels import quantized
+    from ..kernels import quant_maps
     from .state_format import Int8
 
-    return Int8(quantized.QBLOCK).decode(codes, scales, kind)
+    return Int8(quant_maps.QBLOCK).decode(codes, scales, kind)
 
 
 class CheckpointMixin:

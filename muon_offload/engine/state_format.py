@@ -80,21 +80,21 @@ class Int8:
     def encode(self, x: Tensor, kind: str, scales_shape: torch.Size) -> tuple[Tensor, Tensor]:
         """Dense state -> (codes, scales), block by block of each matrix (one row of
         ``scales_shape`` a matrix), at the checkpoint boundary."""
-        from ..kernels import quantized
+        from ..kernels import quant_maps
 
         rows = scales_shape[0] if len(scales_shape) == 2 else 1
-        pieces = [quantized.quantize(m, kind) for m in x.reshape(rows, -1).float().unbind(0)]
+        pieces = [quant_maps.quantize(m, kind) for m in x.reshape(rows, -1).float().unbind(0)]
         codes = torch.cat([c.reshape(-1) for c, _ in pieces]).reshape(x.shape)
         return codes, torch.stack([s.reshape(-1) for _, s in pieces]).reshape(scales_shape)
 
     def decode(self, codes: Tensor, scales: Tensor, kind: str) -> Tensor:
         """(codes, scales) -> float32 state, the inverse of ``encode``."""
-        from ..kernels import quantized
+        from ..kernels import quant_maps
 
         rows = scales.shape[0] if scales.ndim == 2 else 1
         flat_scales = scales.reshape(rows, -1)
         out = [
-            quantized.dequantize(c, s, kind).reshape(-1)
+            quant_maps.dequantize(c, s, kind).reshape(-1)
             for c, s in zip(codes.reshape(rows, -1).unbind(0), flat_scales.unbind(0), strict=True)
         ]
         return torch.cat(out).reshape(codes.shape)
@@ -124,9 +124,9 @@ class StatePolicy:
 
     def format_for(self, param: Tensor) -> Dense | Int8:
         if self.state_dtype == torch.int8 and param.numel() >= MIN_QUANTIZED_NUMEL:
-            from ..kernels import quantized  # imported only where 8-bit state is used
+            from ..kernels import quant_maps  # imported only where 8-bit state is used
 
-            return Int8(quantized.QBLOCK)
+            return Int8(quant_maps.QBLOCK)
         return Dense(self.dense_dtype(param))
 
     @staticmethod
@@ -136,8 +136,8 @@ class StatePolicy:
         for key, kind in zip(keys, kinds, strict=True):
             code_dtype = None
             if fmt.quantized:
-                from ..kernels import quantized
+                from ..kernels import quant_maps
 
-                code_dtype = quantized.CODE_DTYPES[kind]
+                code_dtype = quant_maps.CODE_DTYPES[kind]
             out.extend(fmt.specs(key, param_shape, code_dtype, matrices))
         return out

@@ -1,0 +1,397 @@
+"""Fused AdamW and Lion on 8-bit state (the format: quant_maps.py), any number of segments,
+and the torch references they are tested against (the same math on dequantized state,
+requantized after; the CPU path).
+
+Like elementwise.py's kernels, each program updates one chunk of one segment, read through a
+pointer table of rows ``[p, g, codes, scales, ..., start, count]`` (``_launch.py``); a segment
+starts on a block boundary of its parameter, so chunks (multiples of ``QBLOCK``) cut no block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._launch import (
+    ALIGN_BYTES,
+    TABLES,
+    TUNER,
+    Config,
+    bench_ms,
+    bucket,
+    chunk_rows,
+    dtype_name,
+    scratch_like,
+    triton_dtype,
+)
+from .elementwise import _lerp, _typed
+from .quant_maps import (
+    _INV127,
+    _INV255,
+    _QB,
+    _SALT_M,
+    _SALT_V,
+    MAPS,
+    QBLOCK,
+    _block_tile,
+    _decode,
+    _decode_ref,
+    _encode,
+    _encode_ref,
+    _ld,
+    check_segments,
+)
+
+# Tile = block elements ([block / QBLOCK, QBLOCK] as a 2-D tile), chunk elements a program;
+# both multiples of QBLOCK. Candidates around the fp32 kernels' measured best (elementwise.py).
+CONFIGS = (
+    Config(block=2048, chunk=16384, num_warps=8),
+    Config(block=1024, chunk=16384, num_warps=4),
+    Config(block=4096, chunk=16384, num_warps=8),
+    Config(block=2048, chunk=65536, num_warps=8),
+    Config(block=1024, chunk=4096, num_warps=4),
+)
+# Two blocks a tile, two tiles a program: small tests cover full tiles, the masked tail and
+# several programs.
+INTERPRETER_CONFIG = Config(block=2 * QBLOCK, chunk=4 * QBLOCK, num_warps=4)
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _adamw8_tile(
+    p_ptr,
+    g_ptr,
+    mc_ptr,
+    ms_ptr,
+    vc_ptr,
+    vs_ptr,
+    start,
+    count,
+    hyper,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = hyper
+    offs, i_b, col = _block_tile(start, BLOCK)
+    mask = offs < count if MASKED else None
+    bmask = i_b * _QB < count if MASKED else None
+    p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
+    g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
+    m = _decode(_ld(mc_ptr + offs, mask, MASKED), _ld(ms_ptr + i_b, bmask, MASKED), 4, _INV127)
+    v = _decode(_ld(vc_ptr + offs, mask, MASKED), _ld(vs_ptr + i_b, bmask, MASKED), 4, _INV255)
+    m = _lerp(m, g, w1)
+    v = v * beta2 + (g * g) * omb2
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p * decay - step_size * tl.div_rn(m, denom)
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    codes, scales = _encode(m, col, 4, 127, _INV127, True, _SALT_M, tl.int8)
+    tl.store(mc_ptr + offs, codes, mask=mask)
+    tl.store(ms_ptr + i_b, scales, mask=bmask)
+    codes, scales = _encode(v, col, 4, 255, _INV255, False, _SALT_V, tl.uint8)
+    tl.store(vc_ptr + offs, codes, mask=mask)
+    tl.store(vs_ptr + i_b, scales, mask=bmask)
+
+
+@triton.jit
+def _adamw8_kernel(
+    table,  # [programs, 8] int64: p, g, m codes, m scales, v codes, v scales, start, count
+    w1,  # 1 - beta1 (lerp weight)
+    beta2,
+    omb2,  # 1 - beta2
+    eps,
+    decay,  # 1 - lr * weight_decay
+    step_size,  # lr / (1 - beta1^step)
+    bc2_sqrt,  # sqrt(1 - beta2^step)
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)
+    row = table + i_p * 8
+    start = tl.load(row + 6)  # a multiple of the chunk, so of QBLOCK
+    count = tl.load(row + 7)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
+    ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
+    vc_ptr = _typed(row, 4, tl.uint8, start, ALIGNED)
+    vs_ptr = _typed(row, 5, tl.float32, start // _QB, False)
+    hyper = (w1, beta2, omb2, eps, decay, step_size, bc2_sqrt)
+    n_full = count // BLOCK
+    for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
+        _adamw8_tile(
+            p_ptr,
+            g_ptr,
+            mc_ptr,
+            ms_ptr,
+            vc_ptr,
+            vs_ptr,
+            i_t * BLOCK,
+            count,
+            hyper,
+            BLOCK,
+            False,
+        )
+    if n_full * BLOCK < count:
+        _adamw8_tile(
+            p_ptr,
+            g_ptr,
+            mc_ptr,
+            ms_ptr,
+            vc_ptr,
+            vs_ptr,
+            n_full * BLOCK,
+            count,
+            hyper,
+            BLOCK,
+            True,
+        )
+
+
+@triton.jit
+def _lion8_tile(
+    p_ptr,
+    g_ptr,
+    mc_ptr,
+    ms_ptr,
+    start,
+    count,
+    hyper,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    w1, w2, decay, lr = hyper
+    offs, i_b, col = _block_tile(start, BLOCK)
+    mask = offs < count if MASKED else None
+    bmask = i_b * _QB < count if MASKED else None
+    p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
+    g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
+    m = _decode(_ld(mc_ptr + offs, mask, MASKED), _ld(ms_ptr + i_b, bmask, MASKED), 2, _INV127)
+    u = _lerp(m, g, w1)
+    sign = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
+    sign = tl.where(u != u, u, sign)  # NaN stays NaN, as torch.sign
+    m = _lerp(m, g, w2)
+    p = p * decay - lr * sign
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    codes, scales = _encode(m, col, 2, 127, _INV127, True, _SALT_M, tl.int8)
+    tl.store(mc_ptr + offs, codes, mask=mask)
+    tl.store(ms_ptr + i_b, scales, mask=bmask)
+
+
+@triton.jit
+def _lion8_kernel(
+    table,  # [programs, 6] int64: p, g, m codes, m scales, start, count
+    w1,  # 1 - beta1
+    w2,  # 1 - beta2
+    decay,  # 1 - lr * weight_decay
+    lr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)
+    row = table + i_p * 6
+    start = tl.load(row + 4)
+    count = tl.load(row + 5)
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
+    ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
+    hyper = (w1, w2, decay, lr)
+    n_full = count // BLOCK
+    for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
+        _lion8_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, i_t * BLOCK, count, hyper, BLOCK, False)
+    if n_full * BLOCK < count:
+        _lion8_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, n_full * BLOCK, count, hyper, BLOCK, True)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _launch_segments(kernel, name, params, grads, states, scalars) -> None:
+    """Checks the segments, then launches once per (param dtype, grad dtype, 16-byte alignment)
+    group of them. ``states``: (name, codes, scales, map kind) per state. Scales need 4-byte
+    alignment only; the others are read 16 bytes at a time when aligned."""
+    numels = check_segments(params, grads, states)
+    if not numels:
+        return
+    lists = (params, grads, *(ts for _, codes, scales, _ in states for ts in (codes, scales)))
+    device = lists[0][0].device
+    groups: dict[tuple, list[int]] = {}
+    for i in range(len(numels)):
+        aligned = all(
+            lists[j][i].data_ptr() % ALIGN_BYTES == 0
+            for j in range(len(lists))
+            if j < 2 or j % 2 == 0
+        )
+        groups.setdefault((lists[0][i].dtype, lists[1][i].dtype, aligned), []).append(i)
+    for (p_dtype, g_dtype, aligned), index in groups.items():
+        ptrs = tuple(tuple(lists[j][i].data_ptr() for i in index) for j in range(len(lists)))
+        sizes = tuple(numels[i] for i in index)
+        dtypes = (triton_dtype(p_dtype), triton_dtype(g_dtype))
+
+        def launch(ptrs, config, aligned=aligned, sizes=sizes, dtypes=dtypes):
+            key = (name, device.index, config.chunk, ptrs, sizes)
+            table = TABLES.get(
+                key,
+                lambda: chunk_rows(
+                    np.array(ptrs, dtype=np.int64).T.reshape(len(sizes), len(ptrs)),
+                    np.array(sizes, dtype=np.int64),
+                    config.chunk,
+                ),
+                device,
+            )
+            kernel[(table.shape[0],)](
+                table,
+                *scalars,
+                *dtypes,
+                BLOCK=config.block,
+                ALIGNED=aligned,
+                num_warps=config.num_warps,
+                # Products rounded before sums, as the torch reference: codes match it bit
+                # for bit on the GPU too (a fused multiply-add can move a rounding).
+                enable_fp_fusion=False,
+            )
+
+        def bench(config, index=index, launch=launch):
+            scratch = []
+            for j, tensors in enumerate(lists):
+                group = [tensors[i] for i in index]
+                if j >= 2 and j % 2 == 0:  # codes: random bytes
+                    scratch.append([torch.randint_like(t, 0, 100) for t in group])
+                elif j >= 2:  # scales
+                    scratch.append(scratch_like(group, positive=True))
+                else:
+                    scratch.append(scratch_like(group))
+            ptrs = tuple(tuple(t.data_ptr() for t in col) for col in scratch)
+            return bench_ms(lambda: launch(ptrs, config))
+
+        key = (dtype_name(p_dtype), dtype_name(g_dtype), bucket(sum(sizes)), bucket(len(sizes)))
+        config = TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
+        launch(ptrs, config)
+
+
+def _adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple[float, ...]:
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    decay, step_size = 1.0 - lr * weight_decay, lr / (1.0 - beta1**step)
+    return (1.0 - beta1, beta2, 1.0 - beta2, eps, decay, step_size, math.sqrt(1.0 - beta2**step))
+
+
+def adamw8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    v_codes: Sequence[Tensor],
+    v_scales: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """Fused AdamW on 8-bit state (``adam_m`` / ``adam_v`` maps), any number of segments;
+    same math as ``adamw8_reference_``. Each segment starts on a block boundary of its
+    parameter; its scales hold ceil(numel / QBLOCK) entries."""
+    scalars = _adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
+    states = [("m_codes", m_codes, m_scales, "adam_m"), ("v_codes", v_codes, v_scales, "adam_v")]
+    _launch_segments(_adamw8_kernel, "adamw8", params, grads, states, scalars)
+
+
+def lion8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Fused Lion on 8-bit momentum (``momentum`` map); same math as ``lion8_reference_``."""
+    scalars = (1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, lr)
+    states = [("m_codes", m_codes, m_scales, "momentum")]
+    _launch_segments(_lion8_kernel, "lion8", params, grads, states, scalars)
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def _lerp_ref(start: Tensor, end: Tensor, weight: float) -> Tensor:
+    # torch.lerp's formula with each product rounded (as the kernels, fusion off).
+    diff = end - start
+    if weight < 0.5:
+        return start + weight * diff
+    return end - diff * (1.0 - weight)
+
+
+def adamw8_reference_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    v_codes: Sequence[Tensor],
+    v_scales: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """AdamW (``adamw_reference_``'s math) on dequantized state, requantized after."""
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = _adamw_scalars(
+        lr, beta1, beta2, eps, weight_decay, step
+    )
+    for p, g, mc, ms, vc, vs in zip(
+        params, grads, m_codes, m_scales, v_codes, v_scales, strict=True
+    ):
+        g32 = g.float()
+        m = _lerp_ref(_decode_ref(mc, ms, MAPS["adam_m"]), g32, w1)
+        v = _decode_ref(vc, vs, MAPS["adam_v"]) * beta2 + (g32 * g32) * omb2
+        # A tensor divisor: torch turns division by a Python scalar into a multiplication by
+        # its reciprocal (another rounding than the kernel's division).
+        denom = v.sqrt() / torch.full_like(v, bc2_sqrt) + eps
+        p.copy_(p.float() * decay - step_size * (m / denom))
+        for codes, scales, x, kind in ((mc, ms, m, "adam_m"), (vc, vs, v, "adam_v")):
+            c, s = _encode_ref(x, MAPS[kind])
+            codes.copy_(c)
+            scales.copy_(s)
+
+
+def lion8_reference_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Lion (``lion_reference_``'s math) on dequantized momentum, requantized after."""
+    for p, g, mc, ms in zip(params, grads, m_codes, m_scales, strict=True):
+        g32 = g.float()
+        m = _decode_ref(mc, ms, MAPS["momentum"])
+        update = _lerp_ref(m, g32, 1.0 - beta1).sign()
+        m = _lerp_ref(m, g32, 1.0 - beta2)
+        p.copy_(p.float() * (1.0 - lr * weight_decay) - lr * update)
+        c, s = _encode_ref(m, MAPS["momentum"])
+        mc.copy_(c)
+        ms.copy_(s)

@@ -1,0 +1,248 @@
+"""Muon's prep on 8-bit momentum (the format: quant_maps.py): M = mu M + G requantized in
+place, the update U in bf16 and each matrix's sum of squares of U, with the torch reference it
+is tested against. Blocks are counted over each matrix's own elements, and the sums are
+reduced in an order fixed by the matrix shape: no result depends on how matrices are batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ._launch import (
+    ALIGN_BYTES,
+    TABLES,
+    TUNER,
+    Config,
+    bench_ms,
+    dtype_name,
+    scratch_like,
+    triton_dtype,
+)
+from .elementwise import _typed
+from .quant_maps import (
+    _INV127,
+    _QB,
+    _SALT_M,
+    MAPS,
+    QBLOCK,
+    _block_tile,
+    _decode,
+    _decode_ref,
+    _encode,
+    _encode_ref,
+    _ld,
+    check_segments,
+)
+
+PREP_CONFIGS = (
+    Config(block=2048, chunk=32768, num_warps=8),
+    Config(block=1024, chunk=16384, num_warps=4),
+    Config(block=4096, chunk=32768, num_warps=8),
+    Config(block=2048, chunk=8192, num_warps=8),
+)
+# Two blocks a tile, two tiles a program (as the element-wise kernels' interpreter config).
+PREP_INTERPRETER_CONFIG = Config(block=2 * QBLOCK, chunk=4 * QBLOCK, num_warps=4)
+SUM_BLOCK = 64  # partial sums a step of the final per-matrix sum (fixed: fixes its order)
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _prep8_tile(
+    mc_ptr,
+    ms_ptr,
+    g_ptr,
+    u_ptr,
+    mu,
+    start,
+    count,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+    NESTEROV: tl.constexpr,
+):
+    """Returns the tile's sums of squares of the stored update a block (masked elements: 0)."""
+    offs, i_b, col = _block_tile(start, BLOCK)
+    mask = offs < count if MASKED else None
+    bmask = i_b * _QB < count if MASKED else None
+    g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
+    m = _decode(_ld(mc_ptr + offs, mask, MASKED), _ld(ms_ptr + i_b, bmask, MASKED), 2, _INV127)
+    m = m * mu + g
+    u = m * mu + g if NESTEROV else m
+    u = u.to(u_ptr.dtype.element_ty)
+    tl.store(u_ptr + offs, u, mask=mask)
+    codes, scales = _encode(m, col, 2, 127, _INV127, True, _SALT_M, tl.int8)
+    tl.store(mc_ptr + offs, codes, mask=mask)
+    tl.store(ms_ptr + i_b, scales, mask=bmask)
+    u = u.to(tl.float32)
+    return tl.sum(u * u, axis=1)  # masked elements are 0
+
+
+@triton.jit
+def _prep8_kernel(
+    table,  # [B, 3] int64: momentum codes, momentum scales, gradient addresses
+    out,  # [B, numel] update, contiguous
+    partial,  # [B, chunks] fp32 partial sums of squares
+    numel,  # elements per matrix
+    chunks,  # programs per matrix
+    mu,
+    G_DTYPE: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_m = tl.program_id(1).to(tl.int64)
+    row = table + i_m * 3
+    start = i_c * CHUNK
+    mc_ptr = _typed(row, 0, tl.int8, start, ALIGNED)
+    ms_ptr = _typed(row, 1, tl.float32, start // _QB, False)
+    g_ptr = _typed(row, 2, G_DTYPE, start, ALIGNED)
+    u_ptr = out + i_m * numel + start
+    count = tl.minimum(numel - start, CHUNK)
+    acc = tl.zeros([BLOCK // _QB], dtype=tl.float32)
+    n_full = count // BLOCK
+    for i_t in range(n_full):
+        acc += _prep8_tile(
+            mc_ptr, ms_ptr, g_ptr, u_ptr, mu, i_t * BLOCK, count, BLOCK, False, NESTEROV
+        )
+    if n_full * BLOCK < count:
+        acc += _prep8_tile(
+            mc_ptr, ms_ptr, g_ptr, u_ptr, mu, n_full * BLOCK, count, BLOCK, True, NESTEROV
+        )
+    tl.store(partial + i_m * chunks + i_c, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _row_sum_kernel(partial, out, chunks, BLOCK: tl.constexpr):
+    # One program a matrix, one fixed order: the sum depends on the matrix's chunk count
+    # only, never on how many matrices share the launch.
+    i_m = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, chunks, BLOCK):
+        acc += tl.load(partial + i_m * chunks + i + offs, mask=i + offs < chunks, other=0.0)
+    tl.store(out + i_m, tl.sum(acc, axis=0))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _prep8_launch(m_codes, m_scales, grads, mu, nesterov, out, partial, config) -> None:
+    batch, numel = len(m_codes), m_codes[0].numel()
+    chunks = partial.shape[1]
+    lists = (m_codes, m_scales, grads)
+    ptrs = tuple(tuple(t.data_ptr() for t in ts) for ts in zip(*lists, strict=True))
+    device = grads[0].device
+    table = TABLES.get(("muon_prep8", device, ptrs), lambda: np.array(ptrs, np.int64), device)
+    aligned = all(p[0] % ALIGN_BYTES == 0 and p[2] % ALIGN_BYTES == 0 for p in ptrs)
+    _prep8_kernel[(chunks, batch)](
+        table,
+        out,
+        partial,
+        numel,
+        chunks,
+        mu,
+        triton_dtype(grads[0].dtype),
+        NESTEROV=nesterov,
+        CHUNK=config.chunk,
+        BLOCK=config.block,
+        ALIGNED=aligned,
+        num_warps=config.num_warps,
+        enable_fp_fusion=False,
+    )
+
+
+def muon_prep8(
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    mu: float,
+    nesterov: bool,
+    out: Tensor | None = None,
+    sumsq: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``muon_prep`` on 8-bit momentum: M = mu M + G (requantized in place), U = mu M + G
+    with nesterov else M, stored in ``out`` (bf16 [B, m, n] by default), and each matrix's
+    sum of squares of the stored U. ``m_codes[i]`` is int8 with the matrix's shape,
+    ``m_scales[i]`` fp32 [ceil(m n / QBLOCK)]. The sum's order depends on the matrix shape
+    only (the config is chosen by shape, the final sum is one fixed-order program a matrix):
+    a matrix gives the same bits in a batch of 1 or 40."""
+    if not m_codes:
+        raise ValueError("empty batch")
+    shape, numel = m_codes[0].shape, m_codes[0].numel()
+    batch = len(m_codes)
+    check_segments(m_codes, grads, [("m_codes", m_codes, m_scales, "momentum")])
+    if any(g.shape != shape or g.dtype != grads[0].dtype for g in grads):
+        raise ValueError(f"grads must all be {grads[0].dtype} of shape {tuple(shape)}")
+    device = grads[0].device
+    if out is None:
+        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
+    if sumsq is None:
+        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
+    if out.numel() != batch * numel or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out must be a contiguous [{batch}, *{tuple(shape)}] tensor on {device}")
+    if sumsq.shape != (batch,) or sumsq.dtype != torch.float32:
+        raise ValueError(f"sumsq must be fp32 of shape [{batch}]")
+    if numel == 0:
+        sumsq.zero_()
+        return out, sumsq
+    # No batch in the key: a shape gets one config whatever the batch, so its sums of
+    # squares are summed in one order.
+    key = (dtype_name(grads[0].dtype), dtype_name(out.dtype), tuple(shape), bool(nesterov))
+
+    def bench(config: Config) -> float:
+        codes = [torch.randint_like(c, -100, 100) for c in m_codes]
+        scales = scratch_like(m_scales, positive=True)
+        g = scratch_like(grads)
+        part = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+        scratch_out = torch.empty_like(out)
+        return bench_ms(
+            lambda: _prep8_launch(codes, scales, g, mu, nesterov, scratch_out, part, config)
+        )
+
+    config = TUNER.choose("muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
+    partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+    _prep8_launch(m_codes, m_scales, grads, float(mu), bool(nesterov), out, partial, config)
+    _row_sum_kernel[(batch,)](partial, sumsq, partial.shape[1], BLOCK=SUM_BLOCK)
+    return out, sumsq
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def muon_prep8_reference(
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    *,
+    mu: float,
+    nesterov: bool,
+    out: Tensor | None = None,
+    sumsq: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``muon_prep_reference`` on dequantized momentum, requantized after."""
+    batch, shape = len(m_codes), m_codes[0].shape
+    device = grads[0].device
+    if out is None:
+        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
+    if sumsq is None:
+        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
+    for i, (mc, ms, g) in enumerate(zip(m_codes, m_scales, grads, strict=True)):
+        g32 = g.float()
+        m = _decode_ref(mc, ms, MAPS["momentum"]) * mu + g32
+        u = m * mu + g32 if nesterov else m
+        out[i].copy_(u)
+        sumsq[i] = out[i].float().square().sum()
+        c, s = _encode_ref(m, MAPS["momentum"])
+        mc.copy_(c)
+        ms.copy_(s)
+    return out, sumsq
