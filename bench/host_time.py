@@ -1,0 +1,264 @@
+"""Host (Python) time of ``step()`` on the CPU: wall time per step, and where it goes.
+
+    python bench/host_time.py [--steps 50] [--layers 48] [--scale 64] [--only demo|qwen3]
+                              [--json out.json]
+
+On a GPU a step's kernels run asynchronously, so what the host spends issuing them is the
+step's Python: checking groups, planning, building each unit's job, and one torch call per
+launch. This script measures that work on the CPU with ``backend="torch"``, on tensors small
+enough that the torch calls themselves are cheap:
+
+- ``demo``: the demo's TinyGPT (``muon_offload.tools.demo``), resident and offloaded (the
+  demo's 256 KiB chunks, and the default chunk size);
+- ``qwen3``: ``qwen3-30b-a3b-ep8-rank`` with every dimension divided by ``--scale`` and the
+  chunk budgets divided by its square, so the tensor, unit and chunk counts are the real
+  workload's while the arithmetic is tiny.
+
+Each case runs twice: with the torch references of the kernels (``torch``: the real CPU
+step, whose torch calls do the arithmetic) and with the update functions of
+``engine/dispatch.py`` stubbed out (``stub``: each returns an output of the right shape and
+computes nothing), which leaves the engine's own host time: checks, state, plans, jobs,
+views. On a GPU the kernels' launches come on top of the stubbed figure.
+
+For each case it prints the median wall time of a step (no profiler), the aten ops a step
+issues (each one a kernel launch or a view on a GPU), and a cProfile breakdown by phase,
+scaled to the unprofiled wall time, with the time spent inside torch calls apart from the
+Python around them. Host-only figures: nothing here is a GPU measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import json
+import platform
+import pstats
+import statistics
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from muon_offload import Muon
+from muon_offload.engine import dispatch, settings
+from muon_offload.tools import demo
+from muon_offload.tools.bench.modes import build
+from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank
+
+# Phases, as the functions that run them (module file suffix, function name). A function
+# that is not found (renamed) simply reads 0. "run" includes "jobs" and "update".
+PHASES = (
+    ("check groups and grads", "engine/optimizer.py", "_check_step"),
+    ("rank agreement", "rank_agreement.py", "check"),
+    ("state lookup/creation", "engine/state.py", "_ensure_state"),
+    ("plan (lookup or build)", "engine/optimizer.py", "_plan"),
+    ("scheduler run (all chunks)", "engine/scheduler.py", "run"),
+    ("  unit jobs (views, lists)", "engine/chunks.py", "_job"),
+    ("  chunk state lists", "engine/chunks.py", "chunk_state"),
+    ("  muon update", "muon_offload/muon.py", "update"),
+    ("  element-wise update", "muon_offload/elementwise.py", "update"),
+    ("    orthogonalize", "engine/dispatch.py", "orthogonalize_batch"),
+)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def stubbed_kernels():
+    """The update functions of ``engine/dispatch.py`` replaced by ones that compute nothing:
+    what is left of a step is the engine's host time."""
+
+    def prep(backend, momentums, grads, *args, **kwargs):
+        m = momentums[0]
+        update = torch.empty((len(momentums), *m.shape), dtype=torch.bfloat16, device=m.device)
+        return update, torch.empty(len(momentums), dtype=torch.float32, device=m.device)
+
+    def nothing(*args, **kwargs):
+        return None
+
+    stubs = {
+        "adamw_": nothing,
+        "lion_": nothing,
+        "adamw8_": nothing,
+        "lion8_": nothing,
+        "muon_apply_": nothing,
+        "muon_prep": prep,
+        "muon_prep8": lambda backend, codes, scales, grads, **kw: prep(backend, codes, grads),
+        "orthogonalize_batch": lambda update, sumsq, **kwargs: update,
+    }
+    saved = {name: getattr(dispatch, name) for name in stubs}
+    for name, fn in stubs.items():
+        setattr(dispatch, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dispatch, name, fn)
+
+
+def _torch_builtin(key) -> bool:
+    """A cProfile entry for a C function of torch (an op, a tensor method, a view)."""
+    filename, _, name = key
+    return filename == "~" and "torch" in name
+
+
+def measure(name: str, opt, steps: int) -> dict:
+    for _ in range(3):  # state creation, the plan, first-call caches
+        opt.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    wall = statistics.median(times)
+
+    with OpCounter() as counter:
+        opt.step()
+    ops = sum(counter.ops.values())
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        opt.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    step_key = next(k for k in stats if k[2] == "step" and k[0].endswith("engine/optimizer.py"))
+    profiled = stats[step_key][3] / steps  # cumulative time of step(), per step
+    scale = wall / profiled
+
+    phases = []
+    for label, suffix, func in PHASES:
+        ct = sum(v[3] for k, v in stats.items() if k[2] == func and k[0].endswith(suffix))
+        phases.append((label, ct / steps * scale))
+    torch_tt = sum(v[2] for k, v in stats.items() if _torch_builtin(k)) / steps * scale
+    calls = sum(v[1] for v in stats.values()) / steps
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
+    return {
+        "case": name,
+        "wall_ms": wall * 1e3,
+        "p10_ms": sorted(times)[len(times) // 10] * 1e3,
+        "p90_ms": sorted(times)[len(times) * 9 // 10] * 1e3,
+        "aten_ops": ops,
+        "python_calls": calls,
+        "torch_ms": torch_tt * 1e3,
+        "python_ms": (wall - torch_tt) * 1e3,
+        "phases_ms": {label: t * 1e3 for label, t in phases},
+        "top": [
+            {
+                "function": f"{k[0].rsplit('/', 2)[-1]}:{k[1]}({k[2]})",
+                "calls": v[1] / steps,
+                "ms": v[2] / steps * scale * 1e3,
+            }
+            for k, v in top
+        ],
+    }
+
+
+def report(r: dict) -> None:
+    print(
+        f"\n== {r['case']}: {r['wall_ms']:.3f} ms/step (p10 {r['p10_ms']:.3f}, "
+        f"p90 {r['p90_ms']:.3f}); inside torch calls {r['torch_ms']:.3f} ms, Python around "
+        f"them {r['python_ms']:.3f} ms; {r['aten_ops']} aten ops, "
+        f"{r['python_calls']:.0f} profiled calls a step"
+    )
+    for label, ms in r["phases_ms"].items():
+        print(f"  {label:<30} {ms:8.3f} ms")
+    print("  top functions by own time (ms/step, calls/step):")
+    for t in r["top"][:10]:
+        print(f"    {t['ms']:7.3f} {t['calls']:8.0f}  {t['function'][:90]}")
+
+
+def demo_cases():
+    torch.manual_seed(0)
+    vocab, dim, layers, heads, seq, batch = 64, 64, 2, 4, 32, 16
+    model = demo.TinyGPT(vocab, dim, layers, heads, seq)
+    tokens = next(demo.markov_batches(vocab, seq, batch, seed=1))
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(
+        logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)
+    ).backward()
+    n = sum(p.numel() for p in model.parameters())
+    yield f"demo ({n:,} params) resident", Muon(demo.param_groups(model), lr=0.02, backend="torch")
+    yield (
+        "demo offload, 256 KiB chunks",
+        Muon(
+            demo.param_groups(model), lr=0.02, offload=True, chunk_bytes=256 << 10, backend="torch"
+        ),
+    )
+    yield (
+        "demo offload, default chunks",
+        Muon(demo.param_groups(model), lr=0.02, offload=True, backend="torch"),
+    )
+
+
+def qwen3_cases(layers: int, scale: int):
+    specs = [
+        ParamSpec(s.name, tuple(max(1, d // scale) for d in s.shape), s.algorithm)
+        for s in qwen3_30b_a3b_ep8_rank(layers)
+    ]
+    groups, _, _ = build(specs, torch.device("cpu"))
+    budget = scale * scale
+    chunk = settings.DEFAULT_CHUNK_BYTES // budget
+    resident_chunk = settings.DEFAULT_RESIDENT_CHUNK_BYTES // budget
+    what = f"qwen3 {layers} layers / {scale} ({len(specs)} tensors)"
+    yield (
+        f"{what} resident",
+        Muon(groups, lr=0.01, resident_chunk_bytes=resident_chunk, backend="torch"),
+    )
+    yield (
+        f"{what} offload",
+        Muon(
+            groups,
+            lr=0.01,
+            offload=True,
+            chunk_bytes=chunk,
+            resident_chunk_bytes=resident_chunk,
+            backend="torch",
+        ),
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--scale", type=int, default=64, help="divide every dimension by this")
+    ap.add_argument("--only", choices=("demo", "qwen3"), default=None)
+    ap.add_argument("--kernels", choices=("torch", "stub", "both"), default="both")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # host time, not CPU kernel parallelism
+    cases = []
+    if args.only in (None, "demo"):
+        cases += list(demo_cases())
+    if args.only in (None, "qwen3"):
+        cases += list(qwen3_cases(args.layers, args.scale))
+    results = []
+    modes = ("stub", "torch") if args.kernels == "both" else (args.kernels,)
+    for mode in modes:
+        for name, opt in cases:
+            with stubbed_kernels() if mode == "stub" else contextlib.nullcontext():
+                r = measure(f"{name} [{mode}]", opt, args.steps)
+            r["kernels"] = mode
+            report(r)
+            results.append(r)
+    if args.json:
+        meta = {"python": platform.python_version(), "torch": torch.__version__}
+        meta["cpu"] = platform.processor() or platform.machine()
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
