@@ -44,6 +44,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from multi_gpu_floors import floors, ratios  # noqa: E402
 
 from muon_offload.distributed import local  # noqa: E402
 from muon_offload.tools import options  # noqa: E402
@@ -52,7 +53,6 @@ from muon_offload.tools.bench.dion_runner import dion_commit, find_dion  # noqa:
 from muon_offload.tools.bench.progress import Progress  # noqa: E402
 from muon_offload.tools.bench.report import (  # noqa: E402  # noqa: E402
     MODE_COLUMNS,
-    add_ratios,
     bandwidth_text,
     mode_header,
     mode_row,
@@ -61,10 +61,8 @@ from muon_offload.tools.bench.report import (  # noqa: E402  # noqa: E402
 )
 from muon_offload.tools.bench.timing import (  # noqa: E402
     GIB,
-    STATE_DTYPES,
     Clock,
-    bandwidths,
-    floor_s,  # noqa: E402
+    bandwidths,  # noqa: E402
 )
 
 # bench/ is on sys.path when this file runs as a script (torchrun bench/multi_gpu.py).
@@ -103,7 +101,6 @@ LABELS = {
 }
 # The single-GPU table's columns with each mode's absolute peak before the added memory.
 COLUMNS = (*MODE_COLUMNS[:3], ("peak GiB", "peak_gib", 10, ".2f"), *MODE_COLUMNS[3:])
-TARGET_TO_FLOOR = 1.2  # issue 8: the offloaded step at most 1.2 x the per-rank floor
 NO_GPU = "no CUDA GPU: nothing crosses PCIe, and peak GPU memory is not measured"
 TINY_CHUNK_BYTES = 2 << 10  # the tiny model's ~20 KiB of state per rank in several chunks
 
@@ -120,57 +117,6 @@ class Context:
     def write(self, results: dict) -> None:
         if dist.get_rank() == 0:
             self.json_path.write_text(json.dumps(results, indent=1))
-
-
-def rank_floor(per_rank_bytes: list[float], per_rank_bw: list[dict] | None) -> dict:
-    """Each rank's state bytes over its both-directions bandwidth; the floor is the max."""
-    per_rank = (
-        [floor_s(b, bw) for b, bw in zip(per_rank_bytes, per_rank_bw, strict=True)]
-        if per_rank_bw
-        else None
-    )
-    return {
-        "state_gib_per_rank": [b / GIB for b in per_rank_bytes],
-        "floor_s_per_rank": per_rank,
-        "floor_s": max(per_rank) if per_rank else None,
-    }
-
-
-def floors(per_rank_state: list[int], per_rank_bw: list[dict] | None) -> dict:
-    """The floor of fp32 and bf16 state, from each rank's fp32 state bytes."""
-    return {
-        name: rank_floor([b * scale for b in per_rank_state], per_rank_bw)
-        for name, scale in STATE_DTYPES
-    }
-
-
-def measured_floors(results: dict) -> None:
-    """Each offloaded mode's floor from the host bytes every rank reports (max over ranks), and
-    the 8-bit floor in ``results["floor"]``."""
-    bw = results["bandwidth_gbps"]
-    per_rank_bw = bw["per_rank"] if bw else None
-    for m in results["modes"].values():
-        if "host_state_bytes_per_rank" in m:
-            m["floor_s"] = rank_floor(m["host_state_bytes_per_rank"], per_rank_bw)["floor_s"]
-    int8 = results["modes"].get("ours_offload_int8", {})
-    if "host_state_bytes_per_rank" in int8:
-        results["floor"]["int8"] = rank_floor(int8["host_state_bytes_per_rank"], per_rank_bw)
-
-
-def ratios(results: dict) -> None:
-    measured_floors(results)
-    floor, modes = results["floor"], results["modes"]
-    fp32, bf16 = floor["fp32"]["floor_s"], floor["bf16"]["floor_s"]
-    floors_of = {"ours_offload_fp32": fp32, "ours_offload_bf16": bf16, "all_at_once": fp32}
-    floors_of.update({k: m["floor_s"] for k, m in modes.items() if "floor_s" in m})
-    timed_modes = [(k, m) for k, m in modes.items() if "median_s" in m]
-    add_ratios(timed_modes, floors_of, modes.get("dion_resident", {}))
-    to_floor = modes.get("ours_offload_fp32", {}).get("to_floor")
-    results["target"] = {
-        "offload_fp32_to_floor_at_most": TARGET_TO_FLOOR,
-        "offload_fp32_to_floor": to_floor,
-        "met": to_floor <= TARGET_TO_FLOOR if to_floor is not None else None,
-    }
 
 
 # ------------------------------------------------------------------------------ running

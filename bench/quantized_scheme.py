@@ -1,4 +1,4 @@
-"""The measurement that chose 8-bit state's scheme (kernels/quantized.py), CPU only, ~10 min:
+"""The measurement that chose 8-bit state's scheme (kernels/quant_maps.py), CPU only, ~10 min:
 Adam / Lion / Muon state quantized blockwise after every step against fp32 state, for code
 maps (linear, bitsandbytes' dynamic map, power 2 / 4), rounding (0: to nearest, 1:
 stochastic) and block sizes. Gradients: log-normal per-element scales; from step T/3 half the

@@ -44,7 +44,7 @@ class Algorithm:
     name: str = ""
     elementwise: bool = True
 
-    # What each state key holds, for 8-bit state's code map (kernels/quantized.py).
+    # What each state key holds, for 8-bit state's code map (kernels/quant_maps.py).
     state_kinds: tuple[str, ...] = ()
 
     def __init__(self, state_keys: tuple[str, ...]):
