@@ -146,6 +146,7 @@ def measure(name: str, opt, steps: int) -> dict:
     return {
         "case": name,
         "wall_ms": wall * 1e3,
+        "min_ms": min(times) * 1e3,
         "p10_ms": sorted(times)[len(times) // 10] * 1e3,
         "p90_ms": sorted(times)[len(times) * 9 // 10] * 1e3,
         "aten_ops": ops,
@@ -166,7 +167,8 @@ def measure(name: str, opt, steps: int) -> dict:
 
 def report(r: dict) -> None:
     print(
-        f"\n== {r['case']}: {r['wall_ms']:.3f} ms/step (p10 {r['p10_ms']:.3f}, "
+        f"\n== {r['case']}: {r['wall_ms']:.3f} ms/step (min {r['min_ms']:.3f}, "
+        f"p10 {r['p10_ms']:.3f}, "
         f"p90 {r['p90_ms']:.3f}); inside torch calls {r['torch_ms']:.3f} ms, Python around "
         f"them {r['python_ms']:.3f} ms; {r['aten_ops']} aten ops, "
         f"{r['python_calls']:.0f} profiled calls a step"

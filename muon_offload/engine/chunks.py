@@ -3,6 +3,11 @@
 A chunk's state list runs unit by unit, item by item (parameter or segment), key by key: the
 order state is allocated in (``state.py``), so neighbours in the list are neighbours in the
 host slabs and load as one copy (``scheduler.plan_transfer``).
+
+What a plan fixes is worked out once per plan (``ChunkLayout``: each unit's parameters,
+spans and algorithm, a resident chunk's state tensors), so a step only reads what may change
+between steps: gradients, and parameters' storage (``p.data = ...`` keeps the plan but not
+the views of the old storage).
 """
 
 from __future__ import annotations
@@ -12,10 +17,10 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ..distributed import Mesh, local, run_tasks
+from ..distributed import DTensor, Mesh, local, run_tasks
 from ..hyper import Hyper
 from .algorithm import Algorithm, UnitJob
-from .planner import Chunk, MuonUnit, Unit, unit_params
+from .planner import Chunk, MuonUnit, Unit
 
 
 @dataclass(frozen=True)
@@ -27,9 +32,8 @@ class StepContext:
     work: list[tuple[int, Tensor]]  # (group index, parameter) of each planned parameter
     hypers: Sequence[Hyper]
     steps: Sequence[int]  # each group's step count, this step included
-    algorithms: dict[str, Algorithm]
     backend: str
-    mesh_of: Callable[[int], Mesh]
+    layouts: Sequence[ChunkLayout]  # one a chunk of the plan
 
 
 def unit_items(unit: Unit, work) -> list[tuple[Tensor, slice | None]]:
@@ -52,47 +56,109 @@ def chunk_state(state: dict, formats: dict, chunk: Chunk, work) -> list[Tensor]:
     return out
 
 
-def unit_spans(chunk: Chunk, state: dict, work) -> list[tuple[int, int]]:
-    """Each unit's range in the chunk's state list."""
-    spans, start = [], 0
+@dataclass(frozen=True)
+class UnitLayout:
+    """One unit as its plan fixes it."""
+
+    unit: Unit
+    algorithm: Algorithm
+    mesh: Mesh
+    params: tuple[Tensor, ...]  # each item's parameter
+    spans: tuple[slice | None, ...]  # each item's flat element range (None: the whole)
+    state_range: tuple[int, int]  # the unit's range in its chunk's state list
+    nkeys: int  # state tensors per item: one a key, or codes and scales
+    quantized: bool
+    plain: bool  # no DTensor among the parameters: local(p) is p
+    # A resident unit's state as ``UnitJob.state`` takes it (key by key); None when streamed.
+    resident_state: tuple[tuple[Tensor, ...], ...] | None
+
+    def job_state(self, tensors: Sequence[Tensor] | None) -> list[list[Tensor]]:
+        """Fresh lists of the unit's state tensors, key by key: from the chunk's staging
+        views (streamed), or the resident tensors when ``tensors`` is None."""
+        if tensors is None:
+            return [list(key) for key in self.resident_state]
+        mine = tensors[slice(*self.state_range)]
+        return [list(mine[j :: self.nkeys]) for j in range(self.nkeys)]
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """One chunk as its plan fixes it. Built once per plan (the optimizer caches both): state
+    tensors are created once and written in place (steps, ``load_state_dict``), so the tensors
+    listed here stay the state's until a plan is made afresh."""
+
+    chunk: Chunk
+    units: tuple[UnitLayout, ...]
+
+
+def chunk_layout(
+    chunk: Chunk,
+    state: dict,
+    formats: dict,
+    work,
+    algorithms: dict[str, Algorithm],
+    mesh_of: Callable[[int], Mesh],
+) -> ChunkLayout:
+    resident = chunk_state(state, formats, chunk, work) if chunk.resident else None
+    units, start = [], 0
     for unit in chunk.units:
-        first = work[unit_params(unit)[0]][1]
-        count = len(unit_params(unit)) * len(state[first])
-        spans.append((start, start + count))
-        start += count
-    return spans
+        items = unit_items(unit, work)
+        first = items[0][0]
+        nkeys = len(state[first])
+        stop = start + len(items) * nkeys
+        unit_state = None
+        if resident is not None:
+            mine = resident[start:stop]
+            unit_state = tuple(tuple(mine[j::nkeys]) for j in range(nkeys))
+        units.append(
+            UnitLayout(
+                unit=unit,
+                algorithm=algorithms[unit.algorithm],
+                mesh=mesh_of(unit.group),
+                params=tuple(p for p, _ in items),
+                spans=tuple(span for _, span in items),
+                state_range=(start, stop),
+                nkeys=nkeys,
+                quantized=formats[first].quantized,
+                plain=not any(isinstance(p, DTensor) for p, _ in items),
+                resident_state=unit_state,
+            )
+        )
+        start = stop
+    return ChunkLayout(chunk, tuple(units))
 
 
-def _job(ctx: StepContext, unit: Unit, state: list[Tensor]) -> UnitJob:
-    algorithm = ctx.algorithms[unit.algorithm]
-    items = unit_items(unit, ctx.work)
-    first = items[0][0]
-    nkeys = len(ctx.state[first])  # tensors per item: one a key, or codes and scales
-    if algorithm.elementwise:
-        params = [local(p).view(-1)[span] for p, span in items]
-        grads = [local(p.grad).contiguous().view(-1)[span] for p, span in items]
+def _job(ctx: StepContext, u: UnitLayout, tensors: Sequence[Tensor] | None) -> UnitJob:
+    if u.algorithm.elementwise:
+        locals_ = u.params if u.plain else [local(p) for p in u.params]
+        params = [p.view(-1)[span] for p, span in zip(locals_, u.spans, strict=True)]
+        grads = [
+            local(p.grad).contiguous().view(-1)[span]
+            for p, span in zip(u.params, u.spans, strict=True)
+        ]
     else:
-        params = [p for p, _ in items]
+        params = list(u.params)
         # The matrix kernels read gradients as dense rows; a transposed or sliced gradient
         # is copied once (contiguous() is free for the usual contiguous one).
-        grads = [local(p.grad).contiguous() for p, _ in items]
+        grads = [local(p.grad).contiguous() for p in u.params]
+    group = u.unit.group
     return UnitJob(
-        group=unit.group,
-        hyper=ctx.hypers[unit.group],
-        step=ctx.steps[unit.group],
+        group=group,
+        hyper=ctx.hypers[group],
+        step=ctx.steps[group],
         backend=ctx.backend,
-        mesh=ctx.mesh_of(unit.group),
+        mesh=u.mesh,
         params=params,
         grads=grads,
-        state=[state[j::nkeys] for j in range(nkeys)],
-        quantized=ctx.formats[first].quantized,
+        state=u.job_state(tensors),
+        quantized=u.quantized,
     )
 
 
 def run_chunk(
     ctx: StepContext,
-    chunk: Chunk,
-    views: list[Tensor] | None,
+    layout: ChunkLayout,
+    views: Sequence[Tensor] | None,
     progress: tuple[list[int], list[int]],
 ) -> None:
     """Run every unit of a chunk on its state (``views``: the staging copies of a streamed
@@ -100,26 +166,25 @@ def run_chunk(
     finished) the index of each unit as it starts and as it finishes. Units run as dion-style
     tasks, so one unit's collective is in flight while the next computes; the planner puts
     matrix units first, in the same order on every rank."""
-    tensors = views if views is not None else chunk_state(ctx.state, ctx.formats, chunk, ctx.work)
-    spans = unit_spans(chunk, ctx.state, ctx.work)
+    units = layout.units
     started, done = progress
 
     def task(k: int):
         started.append(k)
-        unit = chunk.units[k]
-        running = ctx.algorithms[unit.algorithm].update(_job(ctx, unit, tensors[slice(*spans[k])]))
+        unit = units[k]
+        running = unit.algorithm.update(_job(ctx, unit, views))
         if running is not None:
             yield from running
         done.append(k)
 
     try:
-        run_tasks(task(k) for k in range(len(chunk.units)))
+        run_tasks(task(k) for k in range(len(units)))
     except BaseException:
         if views is not None:
             # The chunk will not be stored: keep what its finished units computed, and the
             # host's (untouched) state for the rest.
-            host = chunk_state(ctx.state, ctx.formats, chunk, ctx.work)
+            host = chunk_state(ctx.state, ctx.formats, layout.chunk, ctx.work)
             for k in done:
-                for j in range(*spans[k]):
+                for j in range(*units[k].state_range):
                     host[j].copy_(views[j])
         raise

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -35,7 +36,7 @@ from ..hyper import Hyper, check_param_dtypes, check_state_fits, step_work
 from ..rank_agreement import StepAgreements
 from .algorithm import Algorithm
 from .checkpoint import CheckpointMixin
-from .chunks import StepContext, chunk_state, run_chunk
+from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk
 from .interrupt import interrupted
 from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, plan_step
@@ -47,6 +48,7 @@ from .state_format import StatePolicy
 log = logging.getLogger(__name__)
 
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
+_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
 class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
@@ -94,7 +96,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         self.resident_bytes = settings.resident_bytes
         self.state_dtype = settings.state_dtype
         self.backend = settings.backend
-        self._plans: dict[tuple, tuple[Plan, list[Transfer | None]]] = {}
+        # (plan, transfers, layouts, the work planned) by what they depend on (``_plan``);
+        # cleared whenever state is created or loaded and when the budgets change.
+        self._plans: dict[tuple, tuple[Plan, list[Transfer | None], list[ChunkLayout], list]] = {}
         self._store = StateStore()
         self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
@@ -176,15 +180,23 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
     # --------------------------------------------------------------- planning
 
     def _plan(self, work: list[tuple[int, Tensor]], hypers: Sequence[Hyper]):
+        """The plan, the chunks' transfers and layouts for this step's work: cached while the
+        work (its parameters, their groups, shapes and dtypes), the groups' algorithms and
+        layouts and the budgets stay the same, and while state is neither created nor loaded
+        (which clear the cache)."""
+        groups, params = zip(*work, strict=True)
         key = (
-            tuple((id(p), p.shape, p.dtype) for _, p in work),
+            groups,
+            tuple(map(id, params)),  # the plan holds ``work``: an id is not reused meanwhile
+            tuple(map(_shape, params)),
+            tuple(map(_dtype, params)),
             tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
             self.chunk_bytes,
             self.resident_chunk_bytes,
         )
         cached = self._plans.get(key)
         if cached is not None:
-            return cached
+            return cached[:3]
         for gi, p in work:
             check_state_fits(gi, p, self.state[p])
         infos = [
@@ -207,8 +219,14 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
             else plan_transfer(self._chunk_state(chunk, work), self._store.host.slab_of)
             for chunk in plan.chunks
         ]
-        self._plans[key] = (plan, transfers)
-        return plan, transfers
+        layouts = [
+            chunk_layout(
+                chunk, self.state, self._store.formats, work, self.algorithms, self._mesh_of
+            )
+            for chunk in plan.chunks
+        ]
+        self._plans[key] = (plan, transfers, layouts, work)
+        return plan, transfers, layouts
 
     def _chunk_state(self, chunk, work) -> list[Tensor]:
         return chunk_state(self.state, self._store.formats, chunk, work)
@@ -245,7 +263,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
         self._ensure_state(hypers)
-        plan, transfers = self._plan(work, hypers)
+        plan, transfers, layouts = self._plan(work, hypers)
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
         self._scheduler.timeline = self._timeline_marks
@@ -254,18 +272,11 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         steps = [g["step"] for g in self.param_groups]
         progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
         ctx = StepContext(
-            self.state,
-            self._store.formats,
-            work,
-            hypers,
-            steps,
-            self.algorithms,
-            self.backend,
-            self._mesh_of,
+            self.state, self._store.formats, work, hypers, steps, self.backend, layouts
         )
 
-        def update(i: int, views: list[Tensor] | None) -> None:
-            run_chunk(ctx, plan.chunks[i], views, progress[i])
+        def update(i: int, views: Sequence[Tensor] | None) -> None:
+            run_chunk(ctx, layouts[i], views, progress[i])
 
         try:
             self._scheduler.run(transfers, update)

@@ -107,6 +107,11 @@ class StreamScheduler:
         self.cuda = self.device.type == "cuda"
         self._staging: list[Tensor] = []
         self._staging_bytes = 0
+        # Each streamed chunk's views into its staging slot, for the ``transfers`` of the last
+        # ``run`` (the optimizer passes the same list while its plan holds): rebuilt when the
+        # transfers or the staging buffers change.
+        self._views_for: Sequence[Transfer | None] | None = None
+        self._view_cache: dict[int, tuple[Tensor, ...]] = {}
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
@@ -137,27 +142,37 @@ class StreamScheduler:
             torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(slots)
         ]
         self._staging_bytes = nbytes
+        self._view_cache.clear()
         if self.cuda:
             self._stored_once = [False] * self.ring
 
-    def _views(self, slot: int, transfer: Transfer) -> list[Tensor]:
-        buf = self._staging[slot]
-        return [
-            buf[off : off + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-            for off, shape, dtype in transfer.views
-        ]
+    def _views(self, chunk: int, slot: int, transfer: Transfer) -> tuple[Tensor, ...]:
+        views = self._view_cache.get(chunk)
+        if views is None:
+            buf = self._staging[slot]
+            views = tuple(
+                buf[off : off + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                for off, shape, dtype in transfer.views
+            )
+            self._view_cache[chunk] = views
+        return views
 
     def run(
         self,
         transfers: Sequence[Transfer | None],
-        update: Callable[[int, list[Tensor] | None], None],
+        update: Callable[[int, Sequence[Tensor] | None], None],
     ) -> None:
         """For each chunk i: load ``transfers[i]``, call ``update(i, views)``, store it back.
 
         ``None`` marks a resident chunk: ``update(i, None)`` runs on its state in place.
+        ``views`` are the same tensors at every ``run`` of the same ``transfers``: read them,
+        never change them.
         """
         streamed = [i for i, t in enumerate(transfers) if t is not None]
         self.reserve(max((t.nbytes for t in transfers if t is not None), default=0), len(streamed))
+        if transfers is not self._views_for:
+            self._views_for = transfers
+            self._view_cache.clear()
         slot_of = {chunk: k % len(self._staging) for k, chunk in enumerate(streamed)}
         if not self.cuda:
             for i, transfer in enumerate(transfers):
@@ -170,7 +185,7 @@ class StreamScheduler:
                     self._staging[slot][run.offset : run.offset + run.host.numel()].copy_(run.host)
                 self._end_mark(marks, None)
                 marks = self._mark(i, "update", None)
-                update(i, self._views(slot, transfer))
+                update(i, self._views(i, slot, transfer))
                 self._end_mark(marks, None)
                 marks = self._mark(i, "store", None)
                 for run in transfer.runs:
@@ -205,7 +220,7 @@ class StreamScheduler:
                 next_load += 1
             compute.wait_event(self._loaded[slot])
             marks = self._mark(i, "update", compute)
-            update(i, self._views(slot, transfer))
+            update(i, self._views(i, slot, transfer))
             self._end_mark(marks, compute)
             self._updated[slot].record(compute)
             with torch.cuda.stream(self.d2h_stream):
