@@ -38,18 +38,13 @@ def muon_apply_(backend: str, params, update: Tensor, **hyper) -> None:
 
 
 # 8-bit state (kernels/quantized_elementwise.py, kernels/quantized_muon.py), imported where it
-# is used: a dense optimizer never loads it. Its Triton kernels now compile for sm_90 with
-# triton 3.6 (checked without a GPU by tests/kernel_compile_check.py) but have not yet run on
-# one: until a GPU run checks them, CUDA tensors take the torch references (the same math,
-# unfused) unless backend="triton" asks for the kernels.
-def _use_triton8(backend: str, tensor: Tensor) -> bool:
-    return backend == "triton"
-
-
+# is used: a dense optimizer never loads it. Chosen as the dense kernels are: the kernels on
+# CUDA (H200, triton 3.6, 2026-12-01: equal to the references bit for bit on the GPU, offloaded
+# and resident 8-bit steps the same bits; docs/benchmarks.md), the references elsewhere.
 def adamw8_(backend: str, params, grads, m_codes, m_scales, v_codes, v_scales, **hyper) -> None:
     from ..kernels import quantized_elementwise
 
-    triton = _use_triton8(backend, params[0])
+    triton = _use_triton(backend, params[0])
     fn = quantized_elementwise.adamw8_ if triton else quantized_elementwise.adamw8_reference_
     fn(params, grads, m_codes, m_scales, v_codes, v_scales, **hyper)
 
@@ -57,7 +52,7 @@ def adamw8_(backend: str, params, grads, m_codes, m_scales, v_codes, v_scales, *
 def lion8_(backend: str, params, grads, m_codes, m_scales, **hyper) -> None:
     from ..kernels import quantized_elementwise
 
-    triton = _use_triton8(backend, params[0])
+    triton = _use_triton(backend, params[0])
     fn = quantized_elementwise.lion8_ if triton else quantized_elementwise.lion8_reference_
     fn(params, grads, m_codes, m_scales, **hyper)
 
@@ -65,7 +60,7 @@ def lion8_(backend: str, params, grads, m_codes, m_scales, **hyper) -> None:
 def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu: float, nesterov: bool):
     from ..kernels import quantized_muon
 
-    triton = _use_triton8(backend, m_codes[0])
+    triton = _use_triton(backend, m_codes[0])
     fn = quantized_muon.muon_prep8 if triton else quantized_muon.muon_prep8_reference
     return fn(m_codes, m_scales, grads, mu=mu, nesterov=nesterov)
 

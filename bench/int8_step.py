@@ -1,0 +1,73 @@
+"""Offloaded and resident steps with fp32 and 8-bit state on the qwen3 workload (one GPU):
+seconds a step, host bytes, the peak GPU memory added, and whether offloaded and resident
+8-bit (and fp32) give the same bits (a per-tensor digest of every weight after 5 steps).
+
+    python bench/int8_step.py --layers 8 --out int8-step.json      # H200: ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from muon_offload import Muon
+from muon_offload.tools.bench.modes import build
+from muon_offload.tools.workloads import qwen3_30b_a3b_ep8_rank
+
+
+def _digest(p: torch.Tensor) -> int:
+    bits = p.detach().view(torch.int32 if p.element_size() == 4 else torch.int16)
+    return int(bits.sum(dtype=torch.int64))
+
+
+def run(layers: int, offload: bool, state_dtype, warmup: int = 2, steps: int = 3) -> dict:
+    groups, _, _ = build(qwen3_30b_a3b_ep8_rank(layers), torch.device("cuda"))
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    opt = Muon(groups, offload=offload, state_dtype=state_dtype)
+    for _ in range(warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    first_peak = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    torch.cuda.synchronize()
+    row = dict(
+        mode=f"{'offload' if offload else 'resident'} {state_dtype or 'fp32'}",
+        layers=layers,
+        s_per_step=(time.perf_counter() - start) / steps,
+        host_gib=opt.host_state_bytes / 2**30 if offload else 0.0,
+        peak_added_gib_warmup=first_peak / 2**30,
+        peak_added_gib_steady=(torch.cuda.max_memory_allocated() - base) / 2**30,
+        digest=[_digest(p) for g in groups for p in g["params"]],
+    )
+    del opt, groups
+    torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    args = ap.parse_args()
+    rows = [run(args.layers, offload, sd) for offload in (True, False) for sd in (None, torch.int8)]
+    for r in rows:
+        print({k: v for k, v in r.items() if k != "digest"}, flush=True)
+    same = {sd: rows[i]["digest"] == rows[i + 2]["digest"] for i, sd in enumerate(("fp32", "int8"))}
+    print("offloaded == resident, bit for bit (digest of every weight):", same)
+    for r in rows:
+        r.pop("digest")
+    result = dict(rows=rows, offloaded_equals_resident=same, gpu=torch.cuda.get_device_name())
+    result["torch"] = torch.__version__
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
