@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -175,6 +177,7 @@ def check_grad(param: Tensor, group_index: int) -> None:
 
 # The kernels compute in fp32 and store in these; fp64 would be rounded through fp32 every step.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PARAM_DTYPE_SET = frozenset(PARAM_DTYPES)
 
 
 def check_param_dtypes(group: dict, group_index: int) -> None:
@@ -203,27 +206,73 @@ def check_state_fits(group_index: int, param: Tensor, state: dict) -> None:
 def step_work(param_groups: list[dict]) -> tuple[list[tuple[int, Tensor]], torch.device | None]:
     """The (group index, parameter) pairs that have a gradient this step, checked, and the
     one device they are on (None when no parameter has a gradient)."""
-    work, devices = [], set()
+    work: list[tuple[int, Tensor]] = []
+    grads: list[Tensor] = []
     for gi, group in enumerate(param_groups):
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            check_grad(p, gi)
-            local_param = getattr(p, "_local_tensor", p)
-            if local_param.dtype not in PARAM_DTYPES:  # changed since construction
-                raise ValueError(
-                    f"{_where(gi, p)}: {p.dtype} parameters are not supported; expected one "
-                    f"of {PARAM_DTYPES}"
-                )
-            if not local_param.is_contiguous():
-                raise ValueError(
-                    f"{_where(gi, p)}: parameters must be contiguous to be updated in place"
-                )
-            devices.add(local_param.device)
-            work.append((gi, p))
+        params = group["params"]
+        mine = list(map(_grad, params))
+        if _NONE_TYPE not in set(map(type, mine)):  # every parameter has a gradient
+            work.extend(zip(repeat(gi), params))
+            grads.extend(mine)
+            continue
+        for p, g in zip(params, mine, strict=True):
+            if g is not None:
+                work.append((gi, p))
+                grads.append(g)
+    if not work:
+        return work, None
+    device = _checked_at_once(work, grads)
+    if device is not None:
+        return work, device
+    devices = set()
+    for gi, p in work:
+        check_grad(p, gi)
+        local_param = getattr(p, "_local_tensor", p)
+        if local_param.dtype not in PARAM_DTYPES:  # changed since construction
+            raise ValueError(
+                f"{_where(gi, p)}: {p.dtype} parameters are not supported; expected one "
+                f"of {PARAM_DTYPES}"
+            )
+        if not local_param.is_contiguous():
+            raise ValueError(
+                f"{_where(gi, p)}: parameters must be contiguous to be updated in place"
+            )
+        devices.add(local_param.device)
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
-    return work, (devices.pop() if devices else None)
+    return work, devices.pop()
+
+
+_grad, _dtype = attrgetter("grad"), attrgetter("dtype")
+_layout, _device = attrgetter("layout"), attrgetter("device")
+_NONE_TYPE = type(None)
+_PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
+
+
+def _checked_at_once(work: list[tuple[int, Tensor]], grads: list[Tensor]) -> torch.device | None:
+    """``step_work``'s checks for all parameters at once, each a C-level pass (a per-parameter
+    loop of Python costs milliseconds a step on a large model): the one device when every check
+    passes, None when one may fail or a parameter or gradient is not a plain tensor (DTensor),
+    and then the per-parameter checks run and raise the precise error."""
+    params = [p for _, p in work]
+    if not _PLAIN_TYPES.issuperset(map(type, params)) or not _PLAIN_TYPES.issuperset(
+        map(type, grads)
+    ):
+        return None
+    if set(map(_layout, grads)) != {torch.strided}:  # sparse gradients
+        return None
+    # Floating (never complex) gradients; parameters of a dtype the kernels serve.
+    if not all(d.is_floating_point for d in set(map(_dtype, grads))):
+        return None
+    if not set(map(_dtype, params)) <= _PARAM_DTYPE_SET:
+        return None
+    if list(map(Tensor.size, grads)) != list(map(Tensor.size, params)):
+        return None
+    devices = set(map(_device, params))
+    devices.update(map(_device, grads))
+    if len(devices) != 1 or not all(map(Tensor.is_contiguous, params)):
+        return None
+    return devices.pop()
 
 
 def matrix_view_shape(shape: torch.Size, flatten: bool) -> tuple[int, int]:

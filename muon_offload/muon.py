@@ -39,14 +39,18 @@ class MuonUpdate(Algorithm):
 
     def update(self, job: UnitJob) -> Iterator[None]:
         h, params = job.hyper, job.params
-        xs, gs, ms, scales = [], [], [], []
-        for i, (p, g, m) in enumerate(zip(params, job.grads, job.state[0], strict=True)):
-            xs.extend(_matrices(local(p), h.flatten))
-            gs.extend(_matrices(g, h.flatten))
-            ms.extend(_matrices(m, h.flatten))
-            if job.quantized:  # one row of block scales a matrix
-                s = job.state[1][i]
-                scales.extend(s.unbind(0) if s.ndim == 2 else [s])
+        if params[0].ndim == 2 and not h.flatten and not job.quantized:
+            # Each tensor is its one matrix (what ``_matrices`` gives, without a list a tensor).
+            xs, gs, ms, scales = [local(p) for p in params], job.grads, job.state[0], []
+        else:
+            xs, gs, ms, scales = [], [], [], []
+            for i, (p, g, m) in enumerate(zip(params, job.grads, job.state[0], strict=True)):
+                xs.extend(_matrices(local(p), h.flatten))
+                gs.extend(_matrices(g, h.flatten))
+                ms.extend(_matrices(m, h.flatten))
+                if job.quantized:  # one row of block scales a matrix
+                    s = job.state[1][i]
+                    scales.extend(s.unbind(0) if s.ndim == 2 else [s])
         if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
             return
         if ms[0].numel() and job.quantized:

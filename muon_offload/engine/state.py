@@ -111,7 +111,11 @@ class StateMixin:
 
     def _ensure_state(self, hypers: Sequence[Hyper]) -> None:
         """Create state for every parameter that has none, in plan order."""
-        missing = [(gi, p) for gi, p in self._params() if not self.state.get(p)]
+        state, missing = self.state, []
+        for gi, group in enumerate(self.param_groups):
+            params = group["params"]
+            if not all(map(state.get, params)):  # every step: one C-level pass a group
+                missing.extend((gi, p) for p in params if not state.get(p))
         if not missing:
             return
         store, infos = self._store, []
