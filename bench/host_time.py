@@ -35,17 +35,22 @@ import json
 import platform
 import pstats
 import statistics
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+# This checkout's package, not whichever one an editable install points at.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muon_offload import Muon
-from muon_offload.engine import dispatch, settings
-from muon_offload.tools import demo
-from muon_offload.tools.bench.modes import build
-from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from muon_offload import Muon  # noqa: E402
+from muon_offload.engine import dispatch, settings  # noqa: E402
+from muon_offload.tools import demo  # noqa: E402
+from muon_offload.tools.bench.modes import build  # noqa: E402
+from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank  # noqa: E402
 
 # Phases, as the functions that run them (module file suffix, function name). A function
 # that is not found (renamed) simply reads 0. "run" includes "jobs" and "update".
