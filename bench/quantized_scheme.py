@@ -178,5 +178,5 @@ if __name__ == "__main__":
                 print(B, ms, vs, *run_adam(ms, vs, B), sep="\n   ", flush=True)
     else:
         for B in (256, 2048):
-            for s in [("linear", 0), ("linear", 1), ("pow2", 0)]:
+            for s in [("linear", 0), ("linear", 1), ("pow2", 0), ("pow2", 1)]:
                 print(what, B, s, *run_mom(s, B, what), sep="\n   ", flush=True)
