@@ -23,6 +23,9 @@ OPTIONAL = {
 }
 
 
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _env():
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     # The CPU path of offload=True, also on a machine with GPUs (see test_multi_gpu_bench).
@@ -55,4 +58,11 @@ def test_usage_block_runs(code, tmp_path):
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path
     )
+    if proc.returncode != 0 and GLOO_TEARDOWN_ABORT in proc.stderr:
+        # Seen once in ~10 runs of the FSDP2 block on 2 overloaded CPU cores (2026-12-01), not
+        # reproduced alone: gloo's worker threads can abort the process at shutdown (pytorch
+        # PR 179291). One rerun; a second abort, or any other failure, fails the test.
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
