@@ -59,7 +59,7 @@ def test_usage_block_runs(code, tmp_path):
         cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path
     )
     if proc.returncode != 0 and GLOO_TEARDOWN_ABORT in proc.stderr:
-        # Seen once in ~10 runs of the FSDP2 block on 2 overloaded CPU cores (2026-12-01), not
+        # Seen once in six runs of the FSDP2 block, on 2 overloaded CPU cores (2026-12-01), not
         # reproduced alone: gloo's worker threads can abort the process at shutdown (pytorch
         # PR 179291). One rerun; a second abort, or any other failure, fails the test.
         proc = subprocess.run(
