@@ -4,7 +4,7 @@ maps (linear, bitsandbytes' dynamic map, power 2 / 4), rounding (0: to nearest, 
 stochastic) and block sizes. Gradients: log-normal per-element scales; from step T/3 half the
 elements shrink 10x and every 8th of the other half stops (v must decay, m reach 0).
 
-    python bench/quantized_scheme.py adam | lion | muon
+    python bench/quantized_scheme.py adam | lion | muon [256]   (256: block 256 only)
 """
 
 # ruff: noqa
