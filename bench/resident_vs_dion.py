@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         help="ours at these chunk sizes (resident, it sets how many same-shape matrices are "
         "orthogonalized together), each against dion in the same rounds; default: ours' default",
     )
+    ap.add_argument(
+        "--gram-newton-schulz",
+        action="store_true",
+        help="also ours with use_gram_newton_schulz=True (default chunking), against the same "
+        "dion step (its default orthogonalization), in the same rounds",
+    )
     args = ap.parse_args(argv)
     if args.chunk_mib is not None and min(args.chunk_mib) < 1:
         ap.error("--chunk-mib must be >= 1")
@@ -90,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     for mib in args.chunk_mib or [None]:
         name = "ours" if mib is None else f"ours_{mib}mib"
         opts[name] = Muon(groups, lr=MUON_LR, chunk_bytes=None if mib is None else mib << 20)
+    if args.gram_newton_schulz:
+        opts["ours_gns"] = Muon(groups, lr=MUON_LR, use_gram_newton_schulz=True)
     ours = list(opts)
     opts["dion"] = dion.Muon(groups, lr=MUON_LR)
     for _ in range(args.warmup):
