@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ._launch import (
     ALIGN_BYTES,
+    FP_FUSION,
     TABLES,
     TUNER,
     Config,
@@ -245,6 +246,7 @@ def _launch_group(
         BLOCK=config.block,
         ALIGNED=aligned,
         num_warps=config.num_warps,
+        enable_fp_fusion=FP_FUSION,
     )
 
 

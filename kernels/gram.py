@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
+from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
 # Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles
@@ -162,6 +162,7 @@ def _launch(
             BLOCK_K=config.chunk,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            enable_fp_fusion=FP_FUSION,
         )
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import (
+    FP_FUSION,
     TABLES,
     TUNER,
     Config,
@@ -253,6 +254,7 @@ def _apply_launch(params, update, rows, cols, decay, alpha, config: Config) -> N
         BLOCK=config.block,
         ALIGNED=all_aligned((params,)),
         num_warps=config.num_warps,
+        enable_fp_fusion=FP_FUSION,
     )
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import TUNER, Config, bench_ms, bucket, dtype_name, interpreted
+from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, interpreted
 from .sumsq import flat_matrices
 
 NORMALIZE_CONFIGS = (
@@ -112,6 +112,7 @@ def normalize(
                 BLOCK=config.block,
                 CHUNK=config.chunk,
                 num_warps=config.num_warps,
+                enable_fp_fusion=FP_FUSION,
             )
 
     def bench(config: Config) -> float:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
+from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
 from .gram import MAX_GRID_Y, _scratch
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
@@ -141,6 +141,7 @@ def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) 
             BLOCK_K=config.chunk,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
+            enable_fp_fusion=FP_FUSION,
         )
 
 

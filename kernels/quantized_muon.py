@@ -212,7 +212,10 @@ def muon_prep8(
     config = TUNER.choose("muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
     partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
     _prep8_launch(m_codes, m_scales, grads, float(mu), bool(nesterov), out, partial, config)
-    _row_sum_kernel[(batch,)](partial, sumsq, partial.shape[1], BLOCK=SUM_BLOCK)
+    # Adds only: no contraction to choose, named so that no Triton default applies.
+    _row_sum_kernel[(batch,)](
+        partial, sumsq, partial.shape[1], BLOCK=SUM_BLOCK, enable_fp_fusion=False
+    )
     return out, sumsq
 
 

@@ -98,7 +98,13 @@ def sum_partials(partial: Tensor, out: Tensor) -> Tensor:
         return out
     lanes = _lanes_for(groups)
     _sum_rows_kernel[(batch,)](
-        partial, out, groups, LANES=lanes, LOG2_LANES=lanes.bit_length() - 1, num_warps=4
+        partial,
+        out,
+        groups,
+        LANES=lanes,
+        LOG2_LANES=lanes.bit_length() - 1,
+        num_warps=4,
+        enable_fp_fusion=False,  # adds only: nothing to fuse, and no default to depend on
     )
     return out
 

@@ -201,6 +201,12 @@ def main() -> int:
         variants = [v for v in variants if v[0].__name__ in only]
     names = sorted({fn.__name__ for fn, *_ in variants})
     print(f"triton {triton.__version__}: {len(variants)} variants of {len(names)} kernels")
+    # Every launch names its multiply-add contraction: triton 3.10 flips the default, and a
+    # kernel's bits must not change with the Triton version (kernels/_launch.py, FP_FUSION).
+    implicit = {fn.__name__ for fn, _, _, opts in variants if "enable_fp_fusion" not in opts}
+    implicit = sorted(implicit)
+    if implicit:
+        print("FAILED: launched without enable_fp_fusion: " + ", ".join(implicit))
     global _VARIANTS
     _VARIANTS = variants
     workers = max(1, min(4, os.cpu_count() or 1))
@@ -216,7 +222,7 @@ def main() -> int:
     seconds = time.perf_counter() - started
     print(f"compiled {len(variants) - len(failed)}/{len(variants)} in {seconds:.0f} s")
     print("kernels:", ", ".join(names))
-    return 1 if failed else 0
+    return 1 if failed or implicit else 0
 
 
 if __name__ == "__main__":
