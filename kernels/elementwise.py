@@ -268,6 +268,20 @@ def _choose(kernel, name, group, sizes, dtypes, scalars) -> Config:
     return TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
 
 
+def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple[float, ...]:
+    """The AdamW kernels' runtime scalars (dense and 8-bit): 1 - beta1, beta2, 1 - beta2, eps,
+    1 - lr wd, lr / bc1, sqrt(bc2)."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    decay, step_size = 1.0 - lr * weight_decay, lr / (1.0 - beta1**step)
+    return (1.0 - beta1, beta2, 1.0 - beta2, eps, decay, step_size, math.sqrt(1.0 - beta2**step))
+
+
+def lion_scalars(lr, beta1, beta2, weight_decay) -> tuple[float, ...]:
+    """The Lion kernels' runtime scalars (dense and 8-bit): 1 - beta1, 1 - beta2, 1 - lr wd, lr."""
+    return (1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, lr)
+
+
 def adamw_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -284,17 +298,7 @@ def adamw_(
     """Fused AdamW over any number of segments of any sizes; same math as
     ``adamw_reference_``. Hyper-parameters are runtime scalars: changing them never
     recompiles."""
-    if step < 1:
-        raise ValueError(f"step must be >= 1, got {step}")
-    scalars = (
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        eps,
-        1.0 - lr * weight_decay,
-        lr / (1.0 - beta1**step),
-        math.sqrt(1.0 - beta2**step),
-    )
+    scalars = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
     _launch_segments(_adamw_kernel, "adamw", (params, grads, exp_avgs, exp_avg_sqs), scalars)
 
 
@@ -309,7 +313,7 @@ def lion_(
     weight_decay: float,
 ) -> None:
     """Fused Lion over any number of segments of any sizes; same math as ``lion_reference_``."""
-    scalars = (1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, lr)
+    scalars = lion_scalars(lr, beta1, beta2, weight_decay)
     _launch_segments(_lion_kernel, "lion", (params, grads, exp_avgs), scalars)
 
 

@@ -11,6 +11,7 @@ are the plain-torch versions they are tested against.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -184,6 +185,21 @@ def _prep_launch(momentums, grads, mu, nesterov, out, partial, config: Config) -
     )
 
 
+def prep_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
+    """A prep kernel's outputs (dense and 8-bit): ``out`` contiguous [batch, *shape] (bf16 when
+    not given) and ``sumsq`` fp32 [batch], allocated when None, checked when given."""
+    numel = math.prod(shape)
+    if out is None:
+        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
+    if sumsq is None:
+        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
+    if out.numel() != batch * numel or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out must be a contiguous [{batch}, *{tuple(shape)}] tensor on {device}")
+    if sumsq.shape != (batch,) or sumsq.dtype != torch.float32:
+        raise ValueError(f"sumsq must be fp32 of shape [{batch}]")
+    return out, sumsq
+
+
 def muon_prep(
     momentums: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -202,14 +218,7 @@ def muon_prep(
     shape = momentums[0].shape
     device = momentums[0].device
     numel = momentums[0].numel()
-    if out is None:
-        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
-    if sumsq is None:
-        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
-    if out.numel() != batch * numel or not out.is_contiguous() or out.device != device:
-        raise ValueError(f"out must be a contiguous [{batch}, *{tuple(shape)}] tensor on {device}")
-    if sumsq.shape != (batch,) or sumsq.dtype != torch.float32:
-        raise ValueError(f"sumsq must be fp32 of shape [{batch}]")
+    out, sumsq = prep_outputs(batch, shape, device, out, sumsq)
     if numel == 0:
         sumsq.zero_()
         return out, sumsq

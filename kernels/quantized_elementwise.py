@@ -9,7 +9,6 @@ starts on a block boundary of its parameter, so chunks (multiples of ``QBLOCK``)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,7 +29,7 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
-from .elementwise import _lerp, _typed
+from .elementwise import _lerp, _typed, adamw_scalars, lion_scalars
 from .quant_maps import (
     _INV127,
     _INV255,
@@ -281,13 +280,6 @@ def _launch_segments(kernel, name, params, grads, states, scalars) -> None:
         launch(ptrs, config)
 
 
-def _adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple[float, ...]:
-    if step < 1:
-        raise ValueError(f"step must be >= 1, got {step}")
-    decay, step_size = 1.0 - lr * weight_decay, lr / (1.0 - beta1**step)
-    return (1.0 - beta1, beta2, 1.0 - beta2, eps, decay, step_size, math.sqrt(1.0 - beta2**step))
-
-
 def adamw8_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -306,7 +298,7 @@ def adamw8_(
     """Fused AdamW on 8-bit state (``adam_m`` / ``adam_v`` maps), any number of segments;
     same math as ``adamw8_reference_``. Each segment starts on a block boundary of its
     parameter; its scales hold ceil(numel / QBLOCK) entries."""
-    scalars = _adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
+    scalars = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
     states = [("m_codes", m_codes, m_scales, "adam_m"), ("v_codes", v_codes, v_scales, "adam_v")]
     _launch_segments(_adamw8_kernel, "adamw8", params, grads, states, scalars)
 
@@ -323,7 +315,7 @@ def lion8_(
     weight_decay: float,
 ) -> None:
     """Fused Lion on 8-bit momentum (``momentum`` map); same math as ``lion8_reference_``."""
-    scalars = (1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, lr)
+    scalars = lion_scalars(lr, beta1, beta2, weight_decay)
     states = [("m_codes", m_codes, m_scales, "momentum")]
     _launch_segments(_lion8_kernel, "lion8", params, grads, states, scalars)
 
@@ -355,7 +347,7 @@ def adamw8_reference_(
     step: int,
 ) -> None:
     """AdamW (``adamw_reference_``'s math) on dequantized state, requantized after."""
-    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = _adamw_scalars(
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(
         lr, beta1, beta2, eps, weight_decay, step
     )
     for p, g, mc, ms, vc, vs in zip(

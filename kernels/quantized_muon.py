@@ -25,6 +25,7 @@ from ._launch import (
     triton_dtype,
 )
 from .elementwise import _typed
+from .muon import prep_outputs
 from .quant_maps import (
     _INV127,
     _QB,
@@ -184,14 +185,7 @@ def muon_prep8(
     if any(g.shape != shape or g.dtype != grads[0].dtype for g in grads):
         raise ValueError(f"grads must all be {grads[0].dtype} of shape {tuple(shape)}")
     device = grads[0].device
-    if out is None:
-        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
-    if sumsq is None:
-        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
-    if out.numel() != batch * numel or not out.is_contiguous() or out.device != device:
-        raise ValueError(f"out must be a contiguous [{batch}, *{tuple(shape)}] tensor on {device}")
-    if sumsq.shape != (batch,) or sumsq.dtype != torch.float32:
-        raise ValueError(f"sumsq must be fp32 of shape [{batch}]")
+    out, sumsq = prep_outputs(batch, shape, device, out, sumsq)
     if numel == 0:
         sumsq.zero_()
         return out, sumsq
