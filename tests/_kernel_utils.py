@@ -50,3 +50,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, exact_bf16: bo
     else:
         err = (a - e).abs()
         assert (err <= bf16_ulp(e) * 1.001 + 1e-7).all(), f"max error {err.max().item()}"
+
+
+def tuning_as_on_a_gpu(monkeypatch, tmp_path):
+    """A fresh tuner that times configs as it would on CUDA (nothing here touches a GPU)."""
+    from muon_offload.kernels import _launch
+
+    tuner = _launch.Tuner()
+    monkeypatch.setattr(_launch, "interpreted", lambda: False)
+    monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "1")
+    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
+    return tuner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _kernel_utils import DEVICES, INTERPRETED, assert_close, randn
+from _kernel_utils import DEVICES, INTERPRETED, assert_close, randn, tuning_as_on_a_gpu
 from muon_offload.kernels import _launch
 from muon_offload.kernels.elementwise import (
     _adamw_kernel,
@@ -180,19 +180,10 @@ def test_interpreter_uses_single_config():
     assert config == INTERPRETER_CONFIG
 
 
-def _tuning_as_on_a_gpu(monkeypatch, tmp_path):
-    """A fresh tuner that times configs as it would on CUDA (nothing here touches a GPU)."""
-    tuner = _launch.Tuner()
-    monkeypatch.setattr(_launch, "interpreted", lambda: False)
-    monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "1")
-    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
-    return tuner
-
-
 def test_tuner_names_the_error_when_no_config_runs(monkeypatch, tmp_path):
     """Every config failing (e.g. a kernel that does not compile) must say why, not only that
     no config ran: the cause travels with the error."""
-    tuner = _tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
     configs = [_launch.Config(block=256), _launch.Config(block=512)]
 
     def bench(config):
@@ -204,7 +195,7 @@ def test_tuner_names_the_error_when_no_config_runs(monkeypatch, tmp_path):
 
 
 def test_tuner_records_the_configs_that_failed(monkeypatch, tmp_path):
-    tuner = _tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
     configs = [_launch.Config(block=256), _launch.Config(block=512)]
 
     def bench(config):

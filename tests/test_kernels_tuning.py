@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from _kernel_utils import tuning_as_on_a_gpu
 from muon_offload.kernels import _launch, tuning
 
 
@@ -18,12 +19,9 @@ def test_retuning_is_scoped_and_restored_after_an_error():
 
 
 def test_last_choice_reads_what_the_tuner_chose(monkeypatch, tmp_path):
-    tuner = _launch.Tuner()
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
     monkeypatch.setattr(_launch, "TUNER", tuner)
     monkeypatch.setattr(tuning, "TUNER", tuner)
-    monkeypatch.setattr(_launch, "interpreted", lambda: False)
-    monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "1")
-    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
     assert tuning.last_choice("k") is None
     configs = [_launch.Config(block=256), _launch.Config(block=512, num_warps=8)]
     times = {256: 2.0, 512: 1.5}
