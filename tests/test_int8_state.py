@@ -13,11 +13,11 @@ from muon_offload import AdamW, Muon
 SHAPES = [(64, 96), (64, 96), (3, 32, 160), (5000,), (40,)]
 
 
-def _run(state_dtype, offload, chunk_bytes=None, steps=3, start=0, params=None, opt=None):
+def _run(state_dtype, offload, chunk_bytes=None, steps=3, start=0, params=None, opt=None, **extra):
     if params is None:
         gen = torch.Generator().manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-        kw = dict(state_dtype=state_dtype, offload=offload)
+        kw = dict(state_dtype=state_dtype, offload=offload, **extra)
         if chunk_bytes:
             kw["chunk_bytes"] = chunk_bytes
         groups = [dict(params=params[:3]), dict(params=params[3:], algorithm="adamw")]
@@ -44,6 +44,24 @@ def test_chunking_and_offload_give_the_same_bits():
     for kw in (dict(offload=True), dict(offload=True, chunk_bytes=3000)):
         got, _ = _run(torch.int8, **kw)
         assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("offload", [True, False])
+def test_muon_chunks_hold_the_matrices_of_fp32_state(state_dtype, offload):
+    """A Muon chunk's work buffers grow with its matrices, so narrower state must not pack more
+    matrices into a chunk than fp32 state does (8-bit packed 4 x, and the step's GPU memory
+    grew to match); element-wise state still counts its own bytes."""
+    budget = 64 * 96 * 4  # one (64, 96) matrix of fp32 momentum
+    kw = dict(chunk_bytes=budget, resident_chunk_bytes=budget)
+
+    def muon_chunks(dtype):
+        params, opt = _run(dtype, offload, steps=1, **kw)
+        plan = next(iter(opt._plans.values()))[0]
+        muon = [[u.params for u in c.units if u.algorithm == "muon"] for c in plan.chunks]
+        return [m for m in muon if m]
+
+    assert muon_chunks(state_dtype) == muon_chunks(torch.float32)
 
 
 def test_close_to_fp32_state():

@@ -165,7 +165,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
             group=group,
             algorithm=hyper.algorithm,
             numel=local(p).numel(),
-            plan_bytes=self._plan_bytes(p, hyper),
+            plan_bytes=self._budget_bytes(p, hyper),
             batch_key=(tuple(p.shape), p.dtype, fmt, self._placement(group, p, hyper)),
             resident=resident,
             align=fmt.align,
@@ -209,8 +209,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
             if p not in self._oversized_logged:
                 self._oversized_logged.add(p)
                 log.warning(
-                    "param group %d: a parameter of shape %s has more state than chunk_bytes=%d;"
-                    " it is streamed as a chunk of its own",
+                    "param group %d: a parameter of shape %s has more state than chunk_bytes=%d"
+                    " (Muon state counts at fp32 width at least); it is streamed as a chunk of"
+                    " its own",
                     *(gi, tuple(p.shape), self.chunk_bytes),
                 )
         transfers = [

@@ -16,7 +16,9 @@ A step's work is cut into *units*, and units are packed into *chunks* of at most
 
 Budgets are counted in ``plan_bytes``: a parameter's state bytes computed from its *global*
 size divided by the mesh size, identical on every rank, so under sharding every rank cuts
-the same units into the same chunks (never cut on local shard sizes).
+the same units into the same chunks (never cut on local shard sizes). Muon state narrower
+than fp32 (bf16, 8-bit) counts as fp32 (state.py ``_budget_bytes``): a Muon chunk's GPU work
+buffers grow with its matrices, whatever the state's width.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class ParamInfo:
     group: int
     algorithm: str  # "muon", "adamw" or "lion"
     numel: int  # local elements (the shard on this rank)
-    plan_bytes: int  # state bytes for budgeting: global state bytes / mesh size
+    plan_bytes: int  # bytes for budgeting: global state bytes (Muon: at least fp32) / mesh size
     batch_key: Hashable = None  # muon: (shape, dtype, placement); params batch only if equal
     resident: bool = True  # state kept on the GPU (never streamed)
     # Element-wise cuts fall on multiples of this many elements: SEGMENT_ALIGN, or a multiple
