@@ -1,14 +1,16 @@
 """Offloaded and resident steps with fp32 and 8-bit state on the qwen3 workload (one GPU):
 seconds a step, host bytes, the peak GPU memory added, and whether offloaded and resident
-8-bit (and fp32) give the same bits (a per-tensor digest of every weight after 5 steps).
+8-bit (and fp32) give the same bits (a per-tensor digest of every weight after the last step).
 
-    python bench/int8_step.py --layers 8 --out int8-step.json      # H200: ~1 min
+    python bench/int8_step.py --layers 8 --out int8-step.json      # H200: ~15 s
+    python bench/int8_step.py --layers 48 --steps 7 --chunk-mib 256 512 --out int8-48.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -23,25 +25,43 @@ def _digest(p: torch.Tensor) -> int:
     return int(bits.sum(dtype=torch.int64))
 
 
-def run(layers: int, offload: bool, state_dtype, warmup: int = 2, steps: int = 3) -> dict:
+def run(
+    layers: int,
+    offload: bool,
+    state_dtype,
+    warmup: int = 2,
+    steps: int = 3,
+    chunk_mib: float | None = None,
+    **options,
+) -> dict:
     groups, _, _ = build(qwen3_30b_a3b_ep8_rank(layers), torch.device("cuda"))
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    opt = Muon(groups, offload=offload, state_dtype=state_dtype)
+    if chunk_mib is not None:
+        options["chunk_bytes"] = round(chunk_mib * 2**20)
+    opt = Muon(groups, offload=offload, state_dtype=state_dtype, **options)
     for _ in range(warmup):
         opt.step()
     torch.cuda.synchronize()
     first_peak = torch.cuda.max_memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
+    total, host = [], []  # per step, synchronized before and after: the host's share is the
+    for _ in range(steps):  # time step() takes to return
+        start = time.perf_counter()
         opt.step()
-    torch.cuda.synchronize()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        total.append(time.perf_counter() - start)
     row = dict(
         mode=f"{'offload' if offload else 'resident'} {state_dtype or 'fp32'}",
         layers=layers,
-        s_per_step=(time.perf_counter() - start) / steps,
+        chunk_mib=chunk_mib,
+        options={k: v for k, v in options.items() if k != "chunk_bytes"},
+        s_per_step=statistics.median(total),
+        s_min=min(total),
+        host_s_per_step=statistics.median(host),
         host_gib=opt.host_state_bytes / 2**30 if offload else 0.0,
+        staging_gib=opt.staging_bytes / 2**30,
         peak_added_gib_warmup=first_peak / 2**30,
         peak_added_gib_steady=(torch.cuda.max_memory_allocated() - base) / 2**30,
         digest=[_digest(p) for g in groups for p in g["params"]],
@@ -55,12 +75,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per mode (median)")
+    ap.add_argument(
+        "--chunk-mib",
+        type=float,
+        nargs="*",
+        default=[],
+        help="then offloaded 8-bit state at these chunk budgets (MiB; Muon counts fp32 width)",
+    )
     args = ap.parse_args()
-    rows = [run(args.layers, offload, sd) for offload in (True, False) for sd in (None, torch.int8)]
+    rows = [
+        run(args.layers, offload, sd, steps=args.steps)
+        for offload in (True, False)
+        for sd in (None, torch.int8)
+    ]
     for r in rows:
         print({k: v for k, v in r.items() if k != "digest"}, flush=True)
     same = {sd: rows[i]["digest"] == rows[i + 2]["digest"] for i, sd in enumerate(("fp32", "int8"))}
     print("offloaded == resident, bit for bit (digest of every weight):", same)
+    for mib in args.chunk_mib:
+        rows.append(run(args.layers, True, torch.int8, steps=args.steps, chunk_mib=mib))
+        print({k: v for k, v in rows[-1].items() if k != "digest"}, flush=True)
     for r in rows:
         r.pop("digest")
     result = dict(rows=rows, offloaded_equals_resident=same, gpu=torch.cuda.get_device_name())

@@ -16,12 +16,18 @@ finished), then ``train_compare.png`` (smoothed loss curves: Muon runs, AdamW ru
 a table: each mode's final loss (mean of the last ``--final-window`` training losses) and its
 ratio to the fp32 mode of the same optimizer (issue 13's target: 8-bit within 1% of fp32).
 
-The defaults are sized for one H200 and all seven modes in under 9 minutes: a 54.7 M-parameter
-model (dim 640, 11 layers, untied head) at 24 x 512 tokens a step is 6 * 54.7e6 * 12288 = 4.0
-TFLOP, an estimated 15-20 ms of forward and backward in eager bf16 (matrix products at ~0.4
-PFLOP/s, and about as long again in memory-bound norms, casts and activations), plus 5-15 ms for
-an offloaded step of 0.2-0.4 GB of state over PCIe: 14,000 steps at ~28 ms, 6.5 minutes. After
-each mode the script prints how long the rest will take at that pace; ``--time-limit`` skips
+The defaults are sized for one H200: a 54.7 M-parameter model (dim 640, 11 layers, untied
+head) at 24 x 512 tokens a step is 6 * 54.7e6 * 12288 = 4.0 TFLOP. Measured (2026-12-01):
+Muon with offloaded fp32 state alone on the card, 39 ms a step; five modes side by side, one
+process each, 110-117 ms a step and 231-262 s a mode (the card shared five ways). The
+comparison needs losses, not times, so run modes side by side and merge their records:
+
+    for m in adamw_fp32 adamw_int8; do
+        python bench/train_compare.py --modes $m --out out/$m &
+    done; wait
+    python bench/train_compare.py --merge out/adamw_fp32 out/adamw_int8 --out out/train
+
+After each mode a run prints how long the rest will take at that pace; ``--time-limit`` skips
 the modes that would not fit.
 """
 
@@ -183,6 +189,15 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", type=Path, default=Path("out/train_compare"), help="output folder")
     ap.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="train nothing: merge earlier runs' train_compare.json (folders or files; e.g. one "
+        "process a mode, run side by side) into one JSON, figure and table in --out",
+    )
+    ap.add_argument(
         "--device",
         type=options.torch_device,
         default=None,
@@ -225,8 +240,53 @@ def write_json(path: Path, result: dict) -> None:
     tmp.replace(path)  # never a half-written file, also when killed mid-write
 
 
+# What may differ between runs that are merged: everything else in "config" and "data" must match.
+PER_RUN = ("modes", "time_limit_s")
+
+
+def merge(runs: list[Path], out: Path) -> dict:
+    """One record of several runs' modes, as if one run had trained them all: same config
+    (model, steps, seed, data). A mode that finished wins over one that was skipped; the modes
+    keep the default order. Each mode keeps its run's environment (date, versions); times of
+    runs that shared a GPU are not comparable with a run alone, the losses are."""
+    records = []
+    for run in runs:
+        path = run / "train_compare.json" if run.is_dir() else run
+        records.append((path, json.loads(path.read_text())))
+    first_path, first = records[0]
+
+    def fixed(r: dict) -> dict:
+        return {k: v for k, v in r["config"].items() if k not in PER_RUN}
+
+    for path, r in records[1:]:
+        if fixed(r) != fixed(first) or r["data"]["sha256"] != first["data"]["sha256"]:
+            raise SystemExit(f"{path}: another config or corpus than {first_path}: not merged")
+    modes: dict[str, dict] = {}
+    for path, r in records:
+        for name, rec in r["modes"].items():
+            if name not in modes or modes[name]["status"] == "skipped":
+                modes[name] = {**rec, "run": str(path), "environment": r["environment"]}
+    order = [*DEFAULT_MODES, *(m for m in MODES if m not in DEFAULT_MODES)]
+    modes = {m: modes[m] for m in sorted(modes, key=order.index)}
+    config = {**first["config"], "modes": list(modes)}
+    result = {
+        **first,
+        "config": config,
+        "modes": modes,
+        "merged_from": [str(p) for p, _ in records],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    result["figure"] = figure(result, out / "train_compare.png")
+    write_json(out / "train_compare.json", result)
+    print(table(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.merge:
+        merge(a.merge, a.out)
+        return 0
     a.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = a.out / "train_compare.json", a.out / "train_compare.png"
     t0 = time.perf_counter()

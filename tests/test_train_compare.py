@@ -122,3 +122,36 @@ def test_time_limit_skips_the_modes_that_would_not_fit(tc, tmp_path):
     assert r["modes"]["adamw_fp32"]["status"] == "skipped"
     assert "--time-limit" in r["modes"]["adamw_fp32"]["error"]
     assert (tmp_path / "train_compare.png").exists()
+
+
+def test_merge_takes_each_runs_finished_modes(tc, tiny_run, tmp_path):
+    """Runs of one mode each (side by side on one GPU) merge into the record one run of both
+    would have written; a mode skipped in one run is taken from the run that trained it."""
+    _, _, whole = tiny_run
+    runs = []
+    for i, name in enumerate(MODES):
+        part = json.loads(json.dumps(whole))
+        part["config"]["modes"] = [name]
+        part["modes"] = {name: whole["modes"][name]}
+        if i:  # the second run also lists the first mode, skipped for lack of time
+            part["modes"][MODES[0]] = {**whole["modes"][MODES[0]], "status": "skipped"}
+        runs.append(tmp_path / f"run{i}.json")
+        runs[-1].write_text(json.dumps(part))
+    assert tc.main(["--merge", *map(str, runs), "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "train_compare.json").read_text())
+    assert list(merged["modes"]) == list(MODES) == merged["config"]["modes"]
+    for name in MODES:
+        assert merged["modes"][name]["status"] == "ok"
+        assert merged["modes"][name]["losses"] == whole["modes"][name]["losses"]
+    assert (tmp_path / "merged" / "train_compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_merge_refuses_runs_of_another_config(tc, tiny_run, tmp_path):
+    _, _, whole = tiny_run
+    other = json.loads(json.dumps(whole))
+    other["config"]["steps"] += 1
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(whole))
+    b.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="another config"):
+        tc.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m")])
