@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = args.device
     if device.type == "cuda":
+        if device.index is None:  # torch 2.11's set_device refuses a bare "cuda"
+            device = args.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     cfg = config(args)
     counts = parameter_counts(cfg)
