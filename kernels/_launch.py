@@ -5,6 +5,14 @@ device whose rows hold the segments' addresses (the kernel casts them to typed p
 Tables are built on the host with numpy and cached by the addresses and sizes they describe,
 so a step that reuses its staging buffers and parameters re-sends nothing.
 
+Runtime scalars (learning rates, decays, bias corrections, momentum) reach the kernels through
+memory, not as arguments: each launcher reads them from a small fp32 device tensor (the
+engine's per-step scalar table, or ``device_scalars`` for a direct call), so that a captured
+CUDA graph replays with this step's values. Under capture, nothing here may allocate or copy
+from the host or time configs: a pointer table or a tuning decision missing there raises
+``CaptureMiss`` (the engine then stays eager), and the tables a capture reads are held for the
+graph's life (``TableCache.holding``).
+
 Tuning runs on scratch tensors of the same sizes and dtypes as the call, never on the
 caller's tensors: an in-place update therefore lands exactly once whatever the tuner does.
 Results go to a JSON file per GPU name and Triton version (``MUON_OFFLOAD_CACHE_DIR``, else
@@ -41,6 +49,19 @@ FP_FUSION = True
 def interpreted() -> bool:
     """True when Triton kernels run under the CPU interpreter (read per call, not at import)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class CaptureMiss(RuntimeError):
+    """Something that a launch needs was not ready before a CUDA graph capture began."""
+
+
+def capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream is being captured into a graph."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_initialized()  # nothing captures before CUDA is initialized
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 def autotune_enabled() -> bool:
@@ -125,13 +146,29 @@ class TableCache:
         self.capacity = capacity
         self._entries: OrderedDict[tuple, Tensor] = OrderedDict()
         self._lock = threading.Lock()
+        self._held: list[Tensor] | None = None  # tables read by the graph being captured
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Collect every table handed out meanwhile (a capture's): a graph reads them by
+        address, so its owner keeps them alive after the cache has let them go."""
+        held: list[Tensor] = []
+        self._held = held
+        try:
+            yield held
+        finally:
+            self._held = None
 
     def get(self, key: tuple, build: Callable[[], np.ndarray], device: torch.device) -> Tensor:
         with self._lock:
             table = self._entries.get(key)
             if table is not None:
                 self._entries.move_to_end(key)
+                if self._held is not None:
+                    self._held.append(table)
                 return table
+        if capturing(device):
+            raise CaptureMiss(f"pointer table {key[0]!r} was not built before the capture")
         host = torch.from_numpy(np.ascontiguousarray(build()))
         if device.type == "cuda":
             # Pinned + non_blocking: no stream sync; the host allocator keeps the pinned block
@@ -251,6 +288,8 @@ class Tuner:
             return fast
         if bench is None:
             return configs[0]
+        if capturing(device):
+            raise CaptureMiss(f"{kernel} was not tuned for {key} before the capture")
         timings, failures = [], []
         for config in configs:
             try:
@@ -285,6 +324,46 @@ def bench_ms(fn: Callable[[], None], reps: int = 20) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+
+
+# Scalars of direct launcher calls, by value: a call with the same values reuses its tensor.
+_SCALARS: OrderedDict[tuple, Tensor] = OrderedDict()
+
+
+def device_scalars(values: Sequence[float], device: torch.device) -> Tensor:
+    """``values`` as an fp32 tensor on ``device`` (each rounded to nearest, as Triton rounds a
+    Python float argument), for a launcher called with Python numbers; cached by value, never
+    written. The engine passes its step's scalar table instead (a graph replays that)."""
+    key = (tuple(float(v) for v in values), device)
+    table = _SCALARS.get(key)
+    if table is None:
+        if capturing(device):
+            raise CaptureMiss("a launcher was given Python scalars under capture")
+        table = torch.tensor(key[0], dtype=torch.float32).to(device)
+        _SCALARS[key] = table
+        if len(_SCALARS) > 256:
+            _SCALARS.popitem(last=False)
+    return table
+
+
+def check_scalars(scalars: Tensor, count: int, device: torch.device) -> None:
+    """A launcher's scalar tensor: fp32, contiguous, at least ``count`` values, on ``device``."""
+    if (
+        not isinstance(scalars, Tensor)
+        or scalars.dtype != torch.float32
+        or scalars.numel() < count
+        or not scalars.is_contiguous()
+        or scalars.device != device
+    ):
+        raise ValueError(f"scalars must be a contiguous fp32 tensor of {count} values on {device}")
+
+
+def scalar_arg(value: float | Tensor, device: torch.device) -> Tensor:
+    """A launcher's one runtime scalar, given as a number or already as a device tensor."""
+    if isinstance(value, Tensor):
+        check_scalars(value, 1, device)
+        return value
+    return device_scalars((value,), device)
 
 
 def scratch_like(tensors: Sequence[Tensor], *, positive: bool = False) -> list[Tensor]:

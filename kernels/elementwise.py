@@ -31,7 +31,9 @@ from ._launch import (
     bench_ms,
     bucket,
     check_lists,
+    check_scalars,
     chunk_rows,
+    device_scalars,
     dtype_name,
     group_by_dtype,
     scratch_like,
@@ -91,13 +93,7 @@ def _adamw_tile(
 @triton.jit
 def _adamw_kernel(
     table,  # [programs, 6] int64: p, g, m, v addresses, start, count
-    w1,  # 1 - beta1 (lerp weight)
-    beta2,
-    omb2,  # 1 - beta2
-    eps,
-    decay,  # 1 - lr * weight_decay
-    step_size,  # lr / (1 - beta1^step)
-    bc2_sqrt,  # sqrt(1 - beta2^step)
+    hyper,  # fp32 [7]: adamw_scalars' values (read from memory: a CUDA graph replays new ones)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     M_DTYPE: tl.constexpr,
@@ -113,6 +109,13 @@ def _adamw_kernel(
     g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
     m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
     v_ptr = _typed(row, 3, V_DTYPE, start, ALIGNED)
+    w1 = tl.load(hyper)  # 1 - beta1 (lerp weight)
+    beta2 = tl.load(hyper + 1)
+    omb2 = tl.load(hyper + 2)  # 1 - beta2
+    eps = tl.load(hyper + 3)
+    decay = tl.load(hyper + 4)  # 1 - lr * weight_decay
+    step_size = tl.load(hyper + 5)  # lr / (1 - beta1^step)
+    bc2_sqrt = tl.load(hyper + 6)  # sqrt(1 - beta2^step)
     offs = tl.arange(0, BLOCK)
     n_full = count // BLOCK
     for i_t in range(n_full):  # full tiles: no mask, so loads stay 16 bytes wide
@@ -167,10 +170,7 @@ def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr):
 @triton.jit
 def _lion_kernel(
     table,  # [programs, 5] int64: p, g, m addresses, start, count
-    w1,  # 1 - beta1
-    w2,  # 1 - beta2
-    decay,  # 1 - lr * weight_decay
-    lr,
+    hyper,  # fp32 [4]: 1 - beta1, 1 - beta2, 1 - lr * weight_decay, lr (lion_scalars)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     M_DTYPE: tl.constexpr,
@@ -184,6 +184,10 @@ def _lion_kernel(
     p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
     g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
     m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
+    w1 = tl.load(hyper)
+    w2 = tl.load(hyper + 1)
+    decay = tl.load(hyper + 2)
+    lr = tl.load(hyper + 3)
     offs = tl.arange(0, BLOCK)
     n_full = count // BLOCK
     for i_t in range(n_full):
@@ -241,7 +245,7 @@ def _launch_group(
         return
     kernel[(table.shape[0],)](
         table,
-        *scalars,
+        scalars,
         *(triton_dtype(d) for d in dtypes),
         BLOCK=config.block,
         ALIGNED=aligned,
@@ -266,6 +270,10 @@ def _choose(kernel, name, group, sizes, dtypes, scalars) -> Config:
         )
 
     return TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
+
+
+def _on(tensors: Sequence[Tensor]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple[float, ...]:
@@ -296,9 +304,24 @@ def adamw_(
     step: int,
 ) -> None:
     """Fused AdamW over any number of segments of any sizes; same math as
-    ``adamw_reference_``. Hyper-parameters are runtime scalars: changing them never
+    ``adamw_reference_``. Hyper-parameters are runtime values: changing them never
     recompiles."""
-    scalars = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
+    scalars = device_scalars(adamw_scalars(lr, beta1, beta2, eps, weight_decay, step), _on(params))
+    adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars)
+
+
+def adamw_from_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    scalars: Tensor,
+) -> None:
+    """``adamw_`` with its runtime scalars read on the device from ``scalars``: fp32, the
+    seven values of ``adamw_scalars`` in order (the engine's step table: what a CUDA graph
+    replays with each step's values)."""
+    if params:
+        check_scalars(scalars, 7, params[0].device)
     _launch_segments(_adamw_kernel, "adamw", (params, grads, exp_avgs, exp_avg_sqs), scalars)
 
 
@@ -313,7 +336,16 @@ def lion_(
     weight_decay: float,
 ) -> None:
     """Fused Lion over any number of segments of any sizes; same math as ``lion_reference_``."""
-    scalars = lion_scalars(lr, beta1, beta2, weight_decay)
+    scalars = device_scalars(lion_scalars(lr, beta1, beta2, weight_decay), _on(params))
+    lion_from_(params, grads, exp_avgs, scalars)
+
+
+def lion_from_(
+    params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], scalars: Tensor
+) -> None:
+    """``lion_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``."""
+    if params:
+        check_scalars(scalars, 4, params[0].device)
     _launch_segments(_lion_kernel, "lion", (params, grads, exp_avgs), scalars)
 
 

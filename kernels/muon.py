@@ -29,7 +29,10 @@ from ._launch import (
     bench_ms,
     bucket,
     check_lists,
+    check_scalars,
+    device_scalars,
     dtype_name,
+    scalar_arg,
     scratch_like,
     triton_dtype,
 )
@@ -72,7 +75,7 @@ def _muon_prep_kernel(
     partial,  # [B, chunks] fp32 partial sums of squares
     numel,  # elements per matrix
     chunks,  # programs per matrix
-    mu,
+    mu_ptr,  # fp32 [1]: mu (read from memory: a CUDA graph replays new values)
     M_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     NESTEROV: tl.constexpr,
@@ -91,6 +94,7 @@ def _muon_prep_kernel(
         g_ptr = tl.multiple_of(g_ptr, 16)
     u_ptr = out + i_b * numel + start
     count = tl.minimum(numel - start, CHUNK)
+    mu = tl.load(mu_ptr)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     n_full = count // BLOCK
@@ -114,8 +118,7 @@ def _muon_apply_kernel(
     stride_ub,
     stride_ur,
     stride_uc,
-    decay,  # 1 - lr * weight_decay
-    alpha,  # adjusted_lr
+    hyper,  # fp32 [2]: 1 - lr * weight_decay, adjusted_lr (apply_scalars)
     X_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -132,6 +135,8 @@ def _muon_apply_kernel(
         x_ptr = tl.multiple_of(x_ptr, 16)
     p_x = x_ptr + r[:, None] * cols + c[None, :]
     p_u = update + i_b * stride_ub + r[:, None] * stride_ur + c[None, :] * stride_uc
+    decay = tl.load(hyper)
+    alpha = tl.load(hyper + 1)
     u = tl.load(p_u, mask=mask).to(tl.float32)
     x = tl.load(p_x, mask=mask).to(tl.float32)
     x = x * decay - alpha * u
@@ -204,7 +209,7 @@ def muon_prep(
     momentums: Sequence[Tensor],
     grads: Sequence[Tensor],
     *,
-    mu: float,
+    mu: float | Tensor,
     nesterov: bool,
     out: Tensor | None = None,
     sumsq: Tensor | None = None,
@@ -213,12 +218,15 @@ def muon_prep(
     matrices, in one launch (plus a [B, groups] -> [B] sum). Same math as
     ``muon_prep_reference``: U rounded to nearest even once; ``sumsq`` sums the stored
     values in ``sumsq.py``'s order, bit for bit ``sum_squares(out)`` whatever the batch.
-    ``out`` must be contiguous [B, m, n] (bf16 unless the caller wants otherwise)."""
+    ``out`` must be contiguous [B, m, n] (bf16 unless the caller wants otherwise). ``mu``: a
+    number, or an fp32 tensor on the device holding it (read by the kernel: the engine's step
+    table)."""
     batch = _check_matrices(("momentums", "grads"), (momentums, grads))
     shape = momentums[0].shape
     device = momentums[0].device
     numel = momentums[0].numel()
     out, sumsq = prep_outputs(batch, shape, device, out, sumsq)
+    mu = scalar_arg(mu, device)
     if numel == 0:
         sumsq.zero_()
         return out, sumsq
@@ -240,12 +248,12 @@ def muon_prep(
 
     config = TUNER.choose("muon_prep", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
     partial = torch.empty(batch, groups_for(numel), device=device)
-    _prep_launch(momentums, grads, float(mu), bool(nesterov), out, partial, config)
+    _prep_launch(momentums, grads, mu, bool(nesterov), out, partial, config)
     sum_partials(partial, sumsq)
     return out, sumsq
 
 
-def _apply_launch(params, update, rows, cols, decay, alpha, config: Config) -> None:
+def _apply_launch(params, update, rows, cols, scalars, config: Config) -> None:
     batch = len(params)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block)
     _muon_apply_kernel[(tiles, batch)](
@@ -256,8 +264,7 @@ def _apply_launch(params, update, rows, cols, decay, alpha, config: Config) -> N
         update.stride(0),
         update.stride(1),
         update.stride(2),
-        decay,
-        alpha,
+        scalars,
         triton_dtype(params[0].dtype),
         BLOCK_M=config.block_m,
         BLOCK=config.block,
@@ -265,6 +272,11 @@ def _apply_launch(params, update, rows, cols, decay, alpha, config: Config) -> N
         num_warps=config.num_warps,
         enable_fp_fusion=FP_FUSION,
     )
+
+
+def apply_scalars(lr: float, weight_decay: float, adjusted_lr: float) -> tuple[float, float]:
+    """The apply kernel's runtime scalars: 1 - lr wd, adjusted_lr."""
+    return 1.0 - lr * weight_decay, float(adjusted_lr)
 
 
 def muon_apply_(
@@ -280,6 +292,14 @@ def muon_apply_(
     ``params`` are contiguous tensors of m*n elements each, read as row-major [m, n];
     ``update`` is [B, m, n] with any strides (a ``.mT`` view of a contiguous [B, n, m]
     tensor is read along its contiguous dimension)."""
+    scalars = apply_scalars(lr, weight_decay, adjusted_lr)
+    device = params[0].device if params else update.device
+    muon_apply_from_(params, update, device_scalars(scalars, device))
+
+
+def muon_apply_from_(params: Sequence[Tensor], update: Tensor, scalars: Tensor) -> None:
+    """``muon_apply_`` with its runtime scalars (``apply_scalars``' two, fp32) read on the
+    device from ``scalars`` (the engine's step table: what a CUDA graph replays)."""
     check_lists(("params",), (params,))
     batch = len(params)
     if update.ndim != 3 or update.shape[0] != batch:
@@ -294,9 +314,9 @@ def muon_apply_(
             )
     if update.device != device:
         raise ValueError(f"update is on {update.device}, params on {device}")
+    check_scalars(scalars, 2, device)
     if rows * cols == 0:
         return
-    decay, alpha = 1.0 - lr * weight_decay, float(adjusted_lr)
     transposed = update.stride(2) != 1
     key = (
         dtype_name(params[0].dtype),
@@ -314,12 +334,10 @@ def muon_apply_(
             scratch_u = torch.empty_strided(
                 update.shape, update.stride(), dtype=update.dtype, device=device
             ).copy_(scratch_u)
-        return bench_ms(
-            lambda: _apply_launch(scratch_x, scratch_u, rows, cols, decay, alpha, config)
-        )
+        return bench_ms(lambda: _apply_launch(scratch_x, scratch_u, rows, cols, scalars, config))
 
     config = TUNER.choose("muon_apply", key, APPLY_CONFIGS, APPLY_INTERPRETER_CONFIG, device, bench)
-    _apply_launch(params, update, rows, cols, decay, alpha, config)
+    _apply_launch(params, update, rows, cols, scalars, config)
 
 
 def muon_prep_reference(

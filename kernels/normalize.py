@@ -19,7 +19,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, interpreted
+from ._launch import (
+    FP_FUSION,
+    TUNER,
+    Config,
+    bench_ms,
+    bucket,
+    dtype_name,
+    interpreted,
+    scalar_arg,
+)
 from .sumsq import flat_matrices
 
 NORMALIZE_CONFIGS = (
@@ -40,7 +49,7 @@ def _normalize_kernel(
     b_start,
     numel,
     norm_scale,
-    eps,
+    eps_ptr,  # fp32 [1]: eps, read from memory (a CUDA graph replays a changed one)
     ROUND_SCALE: tl.constexpr,  # the scale rounded to bf16 first
     EVEN: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -49,6 +58,7 @@ def _normalize_kernel(
     i_b = tl.program_id(1).to(tl.int64) + b_start
     start = tl.program_id(0).to(tl.int64) * CHUNK
     s = tl.load(sumsq + i_b)
+    eps = tl.load(eps_ptr)
     scale = tl.div_rn(1.0, tl.sqrt_rn(s) * norm_scale + eps)
     if ROUND_SCALE:
         scale = scale.to(tl.bfloat16).to(tl.float32)
@@ -72,13 +82,14 @@ def normalize(
     sumsq: Tensor,
     *,
     norm_scale: float,
-    eps: float,
+    eps: float | Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     round_scale: bool = True,
 ) -> Tensor:
     """``u`` [B, m, n] (bf16, or fp16 / fp32) scaled per matrix into ``out_dtype``; the result
     has u's shape and strides when u (or its ``.mT``) is contiguous, which is what the prep
-    kernel and the collectives give."""
+    kernel and the collectives give. ``eps``: a number or an fp32 device tensor holding it
+    (the engine's step table); ``norm_scale`` is the method's constant."""
     if u.ndim != 3 or u.dtype not in FLOATS or out_dtype not in FLOATS:
         raise ValueError(
             f"expected a bf16, fp16 or fp32 batch [B, m, n] and such an out_dtype, got "
@@ -92,6 +103,7 @@ def normalize(
             u, sumsq, norm_scale=norm_scale, eps=eps, out_dtype=out_dtype, round_scale=round_scale
         )
     batch, numel = flat.shape
+    eps = scalar_arg(eps, u.device)
     out = torch.empty_like(flat, dtype=out_dtype)
     if batch * numel == 0:
         return _like(out, u)
@@ -106,7 +118,7 @@ def normalize(
                 start,
                 numel,
                 float(norm_scale),
-                float(eps),
+                eps,
                 ROUND_SCALE=round_scale,
                 EVEN=numel % config.chunk == 0,
                 BLOCK=config.block,
@@ -137,11 +149,12 @@ def normalize_reference(
     sumsq: Tensor,
     *,
     norm_scale: float,
-    eps: float,
+    eps: float | Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     round_scale: bool = True,
 ) -> Tensor:
-    """The torch expression the kernel matches (with ``round_scale``, a bf16 u times the bf16
+    """The torch expression the kernel matches (``eps`` a number or a one-element fp32 tensor:
+    the same fp32 sum either way) (with ``round_scale``, a bf16 u times the bf16
     scale, in u's dtype promoted with bf16, as Polar Express has always run)."""
     scale = 1.0 / (sumsq.sqrt() * norm_scale + eps)
     if round_scale:

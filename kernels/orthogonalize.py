@@ -91,9 +91,10 @@ def orthogonalize(
     sumsq: Tensor | None = None,
     *,
     method: str | OrthogonalizerFn = "polar_express",
-    eps: float = 1e-8,
+    eps: float | Tensor = 1e-8,
 ) -> Tensor:
-    """Return the orthogonalized batch [B, m, n] in bf16 (not necessarily contiguous)."""
+    """Return the orthogonalized batch [B, m, n] in bf16 (not necessarily contiguous). ``eps``:
+    a number, or an fp32 device tensor holding it (read by the normalization kernel)."""
     return orthogonalize_on(update, sumsq, method=method, eps=eps, products="auto")
 
 
@@ -102,7 +103,7 @@ def orthogonalize_on(
     sumsq: Tensor | None = None,
     *,
     method: str | OrthogonalizerFn = "polar_express",
-    eps: float = 1e-8,
+    eps: float | Tensor = 1e-8,
     products: str = "auto",
 ) -> Tensor:
     """``orthogonalize`` with the products' path named: ``"cublas"`` (torch ``bmm`` /

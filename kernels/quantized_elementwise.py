@@ -24,7 +24,9 @@ from ._launch import (
     Config,
     bench_ms,
     bucket,
+    check_scalars,
     chunk_rows,
+    device_scalars,
     dtype_name,
     scratch_like,
     triton_dtype,
@@ -102,13 +104,7 @@ def _adamw8_tile(
 @triton.jit
 def _adamw8_kernel(
     table,  # [programs, 8] int64: p, g, m codes, m scales, v codes, v scales, start, count
-    w1,  # 1 - beta1 (lerp weight)
-    beta2,
-    omb2,  # 1 - beta2
-    eps,
-    decay,  # 1 - lr * weight_decay
-    step_size,  # lr / (1 - beta1^step)
-    bc2_sqrt,  # sqrt(1 - beta2^step)
+    scalars,  # fp32 [7]: adamw_scalars' values, read from memory (a CUDA graph replays them)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -124,7 +120,15 @@ def _adamw8_kernel(
     ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
     vc_ptr = _typed(row, 4, tl.uint8, start, ALIGNED)
     vs_ptr = _typed(row, 5, tl.float32, start // _QB, False)
-    hyper = (w1, beta2, omb2, eps, decay, step_size, bc2_sqrt)
+    hyper = (
+        tl.load(scalars),  # 1 - beta1 (lerp weight)
+        tl.load(scalars + 1),  # beta2
+        tl.load(scalars + 2),  # 1 - beta2
+        tl.load(scalars + 3),  # eps
+        tl.load(scalars + 4),  # 1 - lr * weight_decay
+        tl.load(scalars + 5),  # lr / (1 - beta1^step)
+        tl.load(scalars + 6),  # sqrt(1 - beta2^step)
+    )
     n_full = count // BLOCK
     for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
         _adamw8_tile(
@@ -189,10 +193,7 @@ def _lion8_tile(
 @triton.jit
 def _lion8_kernel(
     table,  # [programs, 6] int64: p, g, m codes, m scales, start, count
-    w1,  # 1 - beta1
-    w2,  # 1 - beta2
-    decay,  # 1 - lr * weight_decay
-    lr,
+    scalars,  # fp32 [4]: 1 - beta1, 1 - beta2, 1 - lr * weight_decay, lr (lion_scalars)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -206,7 +207,7 @@ def _lion8_kernel(
     g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
     mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
     ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
-    hyper = (w1, w2, decay, lr)
+    hyper = (tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2), tl.load(scalars + 3))
     n_full = count // BLOCK
     for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
         _lion8_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, i_t * BLOCK, count, hyper, BLOCK, False)
@@ -252,7 +253,7 @@ def _launch_segments(kernel, name, params, grads, states, scalars) -> None:
             )
             kernel[(table.shape[0],)](
                 table,
-                *scalars,
+                scalars,
                 *dtypes,
                 BLOCK=config.block,
                 ALIGNED=aligned,
@@ -299,6 +300,15 @@ def adamw8_(
     same math as ``adamw8_reference_``. Each segment starts on a block boundary of its
     parameter; its scales hold ceil(numel / QBLOCK) entries."""
     scalars = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
+    scalars = device_scalars(scalars, params[0].device if params else torch.device("cpu"))
+    adamw8_from_(params, grads, m_codes, m_scales, v_codes, v_scales, scalars)
+
+
+def adamw8_from_(params, grads, m_codes, m_scales, v_codes, v_scales, scalars: Tensor) -> None:
+    """``adamw8_`` with its runtime scalars (``adamw_scalars``' seven, fp32) read on the
+    device from ``scalars`` (the engine's step table)."""
+    if params:
+        check_scalars(scalars, 7, params[0].device)
     states = [("m_codes", m_codes, m_scales, "adam_m"), ("v_codes", v_codes, v_scales, "adam_v")]
     _launch_segments(_adamw8_kernel, "adamw8", params, grads, states, scalars)
 
@@ -316,6 +326,14 @@ def lion8_(
 ) -> None:
     """Fused Lion on 8-bit momentum (``momentum`` map); same math as ``lion8_reference_``."""
     scalars = lion_scalars(lr, beta1, beta2, weight_decay)
+    scalars = device_scalars(scalars, params[0].device if params else torch.device("cpu"))
+    lion8_from_(params, grads, m_codes, m_scales, scalars)
+
+
+def lion8_from_(params, grads, m_codes, m_scales, scalars: Tensor) -> None:
+    """``lion8_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``."""
+    if params:
+        check_scalars(scalars, 4, params[0].device)
     states = [("m_codes", m_codes, m_scales, "momentum")]
     _launch_segments(_lion8_kernel, "lion8", params, grads, states, scalars)
 

@@ -21,6 +21,7 @@ from ._launch import (
     Config,
     bench_ms,
     dtype_name,
+    scalar_arg,
     scratch_like,
     triton_dtype,
 )
@@ -92,7 +93,7 @@ def _prep8_kernel(
     partial,  # [B, chunks] fp32 partial sums of squares
     numel,  # elements per matrix
     chunks,  # programs per matrix
-    mu,
+    mu_ptr,  # fp32 [1]: mu, read from memory (a CUDA graph replays new values)
     G_DTYPE: tl.constexpr,
     NESTEROV: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -108,6 +109,7 @@ def _prep8_kernel(
     g_ptr = _typed(row, 2, G_DTYPE, start, ALIGNED)
     u_ptr = out + i_m * numel + start
     count = tl.minimum(numel - start, CHUNK)
+    mu = tl.load(mu_ptr)
     acc = tl.zeros([BLOCK // _QB], dtype=tl.float32)
     n_full = count // BLOCK
     for i_t in range(n_full):
@@ -166,17 +168,18 @@ def muon_prep8(
     m_scales: Sequence[Tensor],
     grads: Sequence[Tensor],
     *,
-    mu: float,
+    mu: float | Tensor,
     nesterov: bool,
     out: Tensor | None = None,
     sumsq: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``muon_prep`` on 8-bit momentum: M = mu M + G (requantized in place), U = mu M + G
     with nesterov else M, stored in ``out`` (bf16 [B, m, n] by default), and each matrix's
-    sum of squares of the stored U. ``m_codes[i]`` is int8 with the matrix's shape,
-    ``m_scales[i]`` fp32 [ceil(m n / QBLOCK)]. The sum's order depends on the matrix shape
-    only (the config is chosen by shape, the final sum is one fixed-order program a matrix):
-    a matrix gives the same bits in a batch of 1 or 40."""
+    sum of squares of the stored U (``mu``: a number or an fp32 device tensor holding it).
+    ``m_codes[i]`` is int8 with the matrix's shape, ``m_scales[i]`` fp32
+    [ceil(m n / QBLOCK)]. The sum's order depends on the matrix shape only (the config is
+    chosen by shape, the final sum is one fixed-order program a matrix): a matrix gives the
+    same bits in a batch of 1 or 40."""
     if not m_codes:
         raise ValueError("empty batch")
     shape, numel = m_codes[0].shape, m_codes[0].numel()
@@ -186,6 +189,7 @@ def muon_prep8(
         raise ValueError(f"grads must all be {grads[0].dtype} of shape {tuple(shape)}")
     device = grads[0].device
     out, sumsq = prep_outputs(batch, shape, device, out, sumsq)
+    mu = scalar_arg(mu, device)
     if numel == 0:
         sumsq.zero_()
         return out, sumsq
@@ -205,7 +209,7 @@ def muon_prep8(
 
     config = TUNER.choose("muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
     partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
-    _prep8_launch(m_codes, m_scales, grads, float(mu), bool(nesterov), out, partial, config)
+    _prep8_launch(m_codes, m_scales, grads, mu, bool(nesterov), out, partial, config)
     # Adds only: no contraction to choose, named so that no Triton default applies.
     _row_sum_kernel[(batch,)](
         partial, sumsq, partial.shape[1], BLOCK=SUM_BLOCK, enable_fp_fusion=False

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from .engine import dispatch
 from .engine.algorithm import Algorithm, UnitJob
+from .hyper import Hyper
+from .kernels.elementwise import adamw_scalars, lion_scalars
 
 
 class AdamWUpdate(Algorithm):
     name = "adamw"
     state_kinds = ("adam_m", "adam_v")
+
+    def scalars(self, hyper: Hyper, step: int, shape=None) -> tuple[float, ...]:
+        h = hyper
+        return adamw_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step)
 
     def update(self, job: UnitJob) -> None:
         h = job.hyper
@@ -28,12 +34,16 @@ class AdamWUpdate(Algorithm):
             eps=h.eps,
             weight_decay=h.weight_decay,
             step=job.step,
+            scalars=job.scalars,
         )
 
 
 class LionUpdate(Algorithm):
     name = "lion"
     state_kinds = ("momentum",)
+
+    def scalars(self, hyper: Hyper, step: int, shape=None) -> tuple[float, ...]:
+        return lion_scalars(hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay)
 
     def update(self, job: UnitJob) -> None:
         h = job.hyper
@@ -47,4 +57,5 @@ class LionUpdate(Algorithm):
             beta1=h.beta1,
             beta2=h.beta2,
             weight_decay=h.weight_decay,
+            scalars=job.scalars,
         )

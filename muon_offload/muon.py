@@ -22,6 +22,7 @@ from .hyper import (
     read_hyper,
     split_lr_scales,
 )
+from .kernels.muon import apply_scalars
 from .kernels.orthogonalize import ORTHOGONALIZERS
 
 
@@ -37,8 +38,23 @@ class MuonUpdate(Algorithm):
         super().__init__(state_keys)
         self.orthogonalizer = orthogonalizer
 
+    def scalars(self, hyper: Hyper, step: int, shape) -> tuple[float, ...]:
+        """[mu, -, -, -, eps, -, -, -, 1 - lr wd, adjusted_lr]: each launch's part starts 16
+        bytes in (prep reads [0], the normalization [4], apply [8:10])."""
+        h = hyper
+        apply = apply_scalars(
+            h.lr, h.weight_decay, adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten)
+        )
+        return (h.mu, 0.0, 0.0, 0.0, h.eps, 0.0, 0.0, 0.0, *apply)
+
+    def baked(self, hyper: Hyper) -> tuple:
+        h = hyper
+        # A callable orthogonalizer takes eps as a Python number (dion's signature).
+        eps = h.eps if callable(self.orthogonalizer) else None
+        return (h.nesterov, h.adjust_lr, h.flatten, h.split_sizes, id(self.orthogonalizer), eps)
+
     def update(self, job: UnitJob) -> Iterator[None]:
-        h, params = job.hyper, job.params
+        h, params, row = job.hyper, job.params, job.scalars
         if params[0].ndim == 2 and not h.flatten and not job.quantized:
             # Each tensor is its one matrix (what ``_matrices`` gives, without a list a tensor).
             xs, gs, ms, scales = [local(p) for p in params], job.grads, job.state[0], []
@@ -53,24 +69,26 @@ class MuonUpdate(Algorithm):
                     scales.extend(s.unbind(0) if s.ndim == 2 else [s])
         if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
             return
+        mu = h.mu if row is None else row[0:1]
         if ms[0].numel() and job.quantized:
             update, sumsq = dispatch.muon_prep8(
-                job.backend, ms, scales, gs, mu=h.mu, nesterov=h.nesterov
+                job.backend, ms, scales, gs, mu=mu, nesterov=h.nesterov
             )
         elif ms[0].numel():
-            update, sumsq = dispatch.muon_prep(job.backend, ms, gs, mu=h.mu, nesterov=h.nesterov)
+            update, sumsq = dispatch.muon_prep(job.backend, ms, gs, mu=mu, nesterov=h.nesterov)
         else:  # an empty shard still takes part in every collective
             update = torch.empty((len(ms), *ms[0].shape), dtype=torch.bfloat16, device=ms[0].device)
             sumsq = torch.zeros(len(ms), dtype=torch.float32, device=ms[0].device)
         shape = params[0].shape  # global shape: the lr adjustment is the whole matrix's
         scales = h.split_sizes and split_lr_scales(h.split_sizes, shape, h.adjust_lr)
+        eps = h.eps if row is None or callable(self.orthogonalizer) else row[4:5]
 
         def orthogonalize(u: Tensor, s: Tensor | None) -> Tensor:
             return dispatch.orthogonalize_batch(
                 u,
                 s,
                 method=self.orthogonalizer,
-                eps=h.eps,
+                eps=eps,
                 split_sizes=h.split_sizes,
                 split_scales=scales,
             )
@@ -91,6 +109,7 @@ class MuonUpdate(Algorithm):
                 lr=h.lr,
                 weight_decay=h.weight_decay,
                 adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
+                scalars=None if row is None else row[8:10],
             )
 
 

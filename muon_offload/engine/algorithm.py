@@ -24,7 +24,10 @@ class UnitJob:
     DTensors: their global shape and placement matter); for an element-wise one the flat
     segments of the local tensors being updated. ``grads`` match ``params`` (local tensors;
     flat segments for element-wise units). ``state[k][i]`` is state key ``k`` of item ``i``,
-    local, already on the device (a staging view when the state is streamed)."""
+    local, already on the device (a staging view when the state is streamed). ``scalars``:
+    on the Triton path, this step's values of ``Algorithm.scalars`` as an fp32 device tensor
+    that the kernels read (``engine/scalars.py``); None on the torch path, which takes the
+    Python numbers of ``hyper``."""
 
     group: int
     hyper: Hyper
@@ -35,6 +38,7 @@ class UnitJob:
     grads: list[Tensor]
     state: list[list[Tensor]]
     quantized: bool = False
+    scalars: Tensor | None = None
 
 
 class Algorithm:
@@ -51,6 +55,17 @@ class Algorithm:
         self.state_keys = tuple(state_keys)
         if len(self.state_kinds) != len(self.state_keys):
             raise ValueError(f"{type(self).__name__}: one state kind a key")
+
+    def scalars(self, hyper: Hyper, step: int, shape: tuple | None) -> tuple[float, ...]:
+        """The runtime scalars of a unit's launches this step (``UnitJob.scalars`` on the
+        device), computed as the kernels' launchers compute them from Python numbers.
+        ``shape``: the unit's matrix shape (global) for matrix algorithms, None otherwise."""
+        raise NotImplementedError
+
+    def baked(self, hyper: Hyper) -> tuple:
+        """What of a group's settings the launches take as constants (compile-time flags, host
+        choices): a captured graph holds them, and is captured again when they change."""
+        return ()
 
     def update(self, job: UnitJob) -> Iterator[None] | None:
         """Update the unit's weights and state in place. A generator (yielding while a

@@ -128,7 +128,9 @@ def chunk_layout(
     return ChunkLayout(chunk, tuple(units))
 
 
-def _job(ctx: StepContext, u: UnitLayout, tensors: Sequence[Tensor] | None) -> UnitJob:
+def _job(
+    ctx: StepContext, u: UnitLayout, tensors: Sequence[Tensor] | None, scalars: Tensor | None
+) -> UnitJob:
     if u.algorithm.elementwise:
         locals_ = u.params if u.plain else [local(p) for p in u.params]
         params = [p.view(-1)[span] for p, span in zip(locals_, u.spans, strict=True)]
@@ -152,6 +154,7 @@ def _job(ctx: StepContext, u: UnitLayout, tensors: Sequence[Tensor] | None) -> U
         grads=grads,
         state=u.job_state(tensors),
         quantized=u.quantized,
+        scalars=scalars,
     )
 
 
@@ -160,10 +163,12 @@ def run_chunk(
     layout: ChunkLayout,
     views: Sequence[Tensor] | None,
     progress: tuple[list[int], list[int]],
+    scalars: Sequence[Tensor] | None = None,
 ) -> None:
     """Run every unit of a chunk on its state (``views``: the staging copies of a streamed
     chunk; None: resident state, updated in place), recording in ``progress`` = (started,
-    finished) the index of each unit as it starts and as it finishes. Units run as dion-style
+    finished) the index of each unit as it starts and as it finishes. ``scalars``: each
+    unit's row of the step's scalar table (Triton path), or None. Units run as dion-style
     tasks, so one unit's collective is in flight while the next computes; the planner puts
     matrix units first, in the same order on every rank."""
     units = layout.units
@@ -172,7 +177,8 @@ def run_chunk(
     def task(k: int):
         started.append(k)
         unit = units[k]
-        running = unit.algorithm.update(_job(ctx, unit, views))
+        row = None if scalars is None else scalars[k]
+        running = unit.algorithm.update(_job(ctx, unit, views, row))
         if running is not None:
             yield from running
         done.append(k)

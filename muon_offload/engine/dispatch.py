@@ -17,47 +17,77 @@ def _use_triton(backend: str, tensor: Tensor) -> bool:
     return backend == "triton" or (backend == "auto" and tensor.is_cuda)
 
 
-def adamw_(backend: str, params, grads, exp_avgs, exp_avg_sqs, **hyper) -> None:
-    fn = elementwise.adamw_ if _use_triton(backend, params[0]) else elementwise.adamw_reference_
-    fn(params, grads, exp_avgs, exp_avg_sqs, **hyper)
+def uses_triton(backend: str, device: torch.device) -> bool:
+    """Whether a step on ``device`` runs the Triton kernels (and so reads a scalar table)."""
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
 
 
-def lion_(backend: str, params, grads, exp_avgs, **hyper) -> None:
-    fn = elementwise.lion_ if _use_triton(backend, params[0]) else elementwise.lion_reference_
-    fn(params, grads, exp_avgs, **hyper)
+# ``scalars``: the unit's row of the step's scalar table (``engine/scalars.py``), which the
+# kernels read on the device; without it (a direct call) the launchers make one from the
+# numbers. The torch references always take the numbers.
+def adamw_(backend: str, params, grads, exp_avgs, exp_avg_sqs, *, scalars=None, **hyper) -> None:
+    if not _use_triton(backend, params[0]):
+        elementwise.adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
+    elif scalars is not None:
+        elementwise.adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars)
+    else:
+        elementwise.adamw_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
 
 
-def muon_prep(backend: str, momentums, grads, *, mu: float, nesterov: bool):
+def lion_(backend: str, params, grads, exp_avgs, *, scalars=None, **hyper) -> None:
+    if not _use_triton(backend, params[0]):
+        elementwise.lion_reference_(params, grads, exp_avgs, **hyper)
+    elif scalars is not None:
+        elementwise.lion_from_(params, grads, exp_avgs, scalars)
+    else:
+        elementwise.lion_(params, grads, exp_avgs, **hyper)
+
+
+def muon_prep(backend: str, momentums, grads, *, mu, nesterov: bool):
+    """``mu``: a number, or (Triton path) the device tensor holding it."""
     fn = muon.muon_prep if _use_triton(backend, momentums[0]) else muon.muon_prep_reference
     return fn(momentums, grads, mu=mu, nesterov=nesterov)
 
 
-def muon_apply_(backend: str, params, update: Tensor, **hyper) -> None:
-    fn = muon.muon_apply_ if _use_triton(backend, params[0]) else muon.muon_apply_reference_
-    fn(params, update, **hyper)
+def muon_apply_(backend: str, params, update: Tensor, *, scalars=None, **hyper) -> None:
+    if not _use_triton(backend, params[0]):
+        muon.muon_apply_reference_(params, update, **hyper)
+    elif scalars is not None:
+        muon.muon_apply_from_(params, update, scalars)
+    else:
+        muon.muon_apply_(params, update, **hyper)
 
 
 # 8-bit state (kernels/quantized_elementwise.py, kernels/quantized_muon.py), imported where it
 # is used: a dense optimizer never loads it. Chosen as the dense kernels are: the kernels on
 # CUDA (H200, triton 3.6, 2026-12-01: equal to the references bit for bit on the GPU, offloaded
 # and resident 8-bit steps the same bits; docs/benchmarks.md), the references elsewhere.
-def adamw8_(backend: str, params, grads, m_codes, m_scales, v_codes, v_scales, **hyper) -> None:
-    from ..kernels import quantized_elementwise
+def adamw8_(
+    backend: str, params, grads, m_codes, m_scales, v_codes, v_scales, *, scalars=None, **hyper
+) -> None:
+    from ..kernels import quantized_elementwise as q
 
-    triton = _use_triton(backend, params[0])
-    fn = quantized_elementwise.adamw8_ if triton else quantized_elementwise.adamw8_reference_
-    fn(params, grads, m_codes, m_scales, v_codes, v_scales, **hyper)
-
-
-def lion8_(backend: str, params, grads, m_codes, m_scales, **hyper) -> None:
-    from ..kernels import quantized_elementwise
-
-    triton = _use_triton(backend, params[0])
-    fn = quantized_elementwise.lion8_ if triton else quantized_elementwise.lion8_reference_
-    fn(params, grads, m_codes, m_scales, **hyper)
+    state = (m_codes, m_scales, v_codes, v_scales)
+    if not _use_triton(backend, params[0]):
+        q.adamw8_reference_(params, grads, *state, **hyper)
+    elif scalars is not None:
+        q.adamw8_from_(params, grads, *state, scalars)
+    else:
+        q.adamw8_(params, grads, *state, **hyper)
 
 
-def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu: float, nesterov: bool):
+def lion8_(backend: str, params, grads, m_codes, m_scales, *, scalars=None, **hyper) -> None:
+    from ..kernels import quantized_elementwise as q
+
+    if not _use_triton(backend, params[0]):
+        q.lion8_reference_(params, grads, m_codes, m_scales, **hyper)
+    elif scalars is not None:
+        q.lion8_from_(params, grads, m_codes, m_scales, scalars)
+    else:
+        q.lion8_(params, grads, m_codes, m_scales, **hyper)
+
+
+def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu, nesterov: bool):
     from ..kernels import quantized_muon
 
     triton = _use_triton(backend, m_codes[0])
@@ -70,7 +100,7 @@ def orthogonalize_batch(
     sumsq: Tensor | None,
     *,
     method,
-    eps: float,
+    eps,
     split_sizes: Sequence[int] | None = None,
     split_scales: Sequence[float] | None = None,
 ) -> Tensor:

@@ -34,12 +34,14 @@ from ..distributed import (
 )
 from ..hyper import Hyper, check_param_dtypes, check_state_fits, step_work
 from ..rank_agreement import StepAgreements
+from . import dispatch
 from .algorithm import Algorithm
 from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk
 from .interrupt import interrupted
 from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, plan_step
+from .scalars import ScalarTable
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
 from .state import StateMixin, StateStore
@@ -102,6 +104,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         self._store = StateStore()
         self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
+        self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
         self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
         self._timeline_marks: list | None = None  # set inside ``timeline()``
@@ -248,6 +251,15 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
                 self._cpu_notice_given = True
         return hypers, work, device
 
+    def _scalar_rows(self, device, layouts, hypers, steps) -> list[list[Tensor]] | None:
+        """This step's scalar table on the device (the Triton path's kernels read their
+        hyper-parameters there), each unit's row; None on the torch path."""
+        if not dispatch.uses_triton(self.backend, device):
+            return None
+        if self._scalars is None or self._scalars.device != device:
+            self._scalars = ScalarTable(device)
+        return self._scalars.write(layouts, hypers, steps)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         loss = None
@@ -268,16 +280,18 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
         self._scheduler.timeline = self._timeline_marks
+        steps = [g["step"] + 1 for g in self.param_groups]
+        # The kernels' scalars (this step's counts) on the device, before the counts advance.
+        rows = self._scalar_rows(device, layouts, hypers, steps)
         for group in self.param_groups:
             group["step"] += 1
-        steps = [g["step"] for g in self.param_groups]
         progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
         ctx = StepContext(
             self.state, self._store.formats, work, hypers, steps, self.backend, layouts
         )
 
         def update(i: int, views: Sequence[Tensor] | None) -> None:
-            run_chunk(ctx, layouts[i], views, progress[i])
+            run_chunk(ctx, layouts[i], views, progress[i], None if rows is None else rows[i])
 
         try:
             self._scheduler.run(transfers, update)

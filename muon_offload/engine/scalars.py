@@ -1,0 +1,135 @@
+"""The step's scalar table: every launch's runtime scalars for one step, in one fp32 buffer on
+the device.
+
+The kernels read their learning rates, decays, bias corrections and momentum from memory,
+not from launch arguments, so that a captured CUDA graph (``graphs.py``) replays each step
+with that step's values. Eager steps take the same path (one small copy a step), so a replay
+equals the eager step by construction.
+
+Each row holds one algorithm's scalars for one group (and, for Muon, one matrix shape: its
+adjusted learning rate), as ``Algorithm.scalars`` computes them in Python floats; they are
+rounded to fp32 on the host (to nearest, as Triton rounds a Python float argument) and copied
+host -> device once a step on the current stream, before any launch that reads them. Rows
+start 16 bytes apart, so every row pointer is as aligned as a fresh tensor (Triton
+specializes pointer arguments on 16-byte alignment: one compiled variant for all).
+
+The host side is a ring of pinned buffers: a buffer is rewritten only after the copy that
+read it (``ring`` steps earlier) has run, which its event tells without stalling the host
+while the GPU is less than ``ring`` steps behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .chunks import ChunkLayout
+
+ROW_ALIGN = 4  # fp32 values: 16 bytes
+
+
+def _rows(layouts: Sequence[ChunkLayout]):
+    """The distinct rows of a plan, (group, algorithm, matrix shape or None), and for each
+    chunk each unit's row index."""
+    index: dict[tuple, int] = {}
+    rows, unit_rows = [], []
+    for layout in layouts:
+        mine = []
+        for u in layout.units:
+            shape = None if u.algorithm.elementwise else tuple(u.params[0].shape)
+            key = (u.unit.group, u.algorithm.name, shape)
+            if key not in index:
+                index[key] = len(rows)
+                rows.append((u.unit.group, u.algorithm, shape))
+            mine.append(index[key])
+        unit_rows.append(mine)
+    return rows, unit_rows
+
+
+class ScalarTable:
+    """Owns the device buffer of the step's scalars and the pinned host ring that feeds it."""
+
+    def __init__(self, device: torch.device, ring: int = 2):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.ring = ring
+        self._device_buf: Tensor | None = None
+        self._host: list[Tensor] = []
+        self._host_np: list[np.ndarray] = []
+        self._copied: list[torch.cuda.Event | None] = []
+        self._turn = 0
+        # The last plan's layout: its rows, offsets, and each unit's view of its row.
+        self._layouts: Sequence[ChunkLayout] | None = None
+        self._rows: list[tuple] = []
+        self._offsets: list[int] = []
+        self._views: list[list[Tensor]] = []
+        self._size = 0
+
+    @property
+    def buffer(self) -> Tensor | None:
+        """The device buffer the kernels read (a captured graph reads it by address)."""
+        return self._device_buf
+
+    def write(self, layouts: Sequence[ChunkLayout], hypers, steps) -> list[list[Tensor]]:
+        """Compute this step's rows, copy them to the device; return, for each chunk, each
+        unit's row (a view of the device buffer, the same tensors while the plan holds)."""
+        if layouts is not self._layouts:
+            self._lay_out(layouts, hypers, steps)
+        values = np.zeros(self._size, dtype=np.float32)
+        for (group, algorithm, shape), at in zip(self._rows, self._offsets, strict=True):
+            row = algorithm.scalars(hypers[group], steps[group], shape)
+            values[at : at + len(row)] = row  # fp64 -> fp32, to nearest
+        self._copy(values)
+        return self._views
+
+    def _lay_out(self, layouts, hypers, steps) -> None:
+        rows, unit_rows = _rows(layouts)
+        offsets, lengths, size = [], [], 0
+        for group, algorithm, shape in rows:
+            offsets.append(size)
+            lengths.append(len(algorithm.scalars(hypers[group], steps[group], shape)))
+            size += -(-lengths[-1] // ROW_ALIGN) * ROW_ALIGN
+        size = max(size, ROW_ALIGN)
+        if self._device_buf is None or self._device_buf.numel() < size:
+            # Grown, never shrunk. The old buffer's last readers ran on this stream (or were
+            # joined back into it), so the allocator may hand it out again safely.
+            capacity = max(64, 1 << (size - 1).bit_length())
+            self._device_buf = torch.zeros(capacity, dtype=torch.float32, device=self.device)
+        if self.cuda and (not self._host or self._host[0].numel() < size):
+            self._wait_all()
+            self._host = [
+                torch.zeros(self._device_buf.numel(), dtype=torch.float32, pin_memory=True)
+                for _ in range(self.ring)
+            ]
+            self._host_np = [h.numpy() for h in self._host]
+            self._copied = [None] * self.ring
+        buf = self._device_buf
+        self._views = [
+            [buf[offsets[r] : offsets[r] + lengths[r]] for r in mine] for mine in unit_rows
+        ]
+        self._rows, self._offsets, self._size = rows, offsets, size
+        self._layouts = layouts
+
+    def _wait_all(self) -> None:
+        for event in self._copied:
+            if event is not None:
+                event.synchronize()
+
+    def _copy(self, values: np.ndarray) -> None:
+        n = values.size
+        if not self.cuda:
+            self._device_buf[:n].copy_(torch.from_numpy(values))
+            return
+        k = self._turn
+        self._turn = (k + 1) % self.ring
+        event = self._copied[k]
+        if event is not None:
+            event.synchronize()  # the copy that last read this host buffer has run
+        self._host_np[k][:n] = values
+        self._device_buf[:n].copy_(self._host[k][:n], non_blocking=True)
+        if event is None:
+            event = self._copied[k] = torch.cuda.Event()
+        event.record()
