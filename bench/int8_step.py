@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per mode (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (state, tuning)")
     ap.add_argument(
         "--chunk-mib",
         type=float,
@@ -83,9 +84,13 @@ def main() -> None:
         default=[],
         help="then offloaded 8-bit state at these chunk budgets (MiB; Muon counts fp32 width)",
     )
+    ap.add_argument(
+        "--cuda-graph", action="store_true", help="every mode with cuda_graph=True (issue 17)"
+    )
     args = ap.parse_args()
+    extra = {"cuda_graph": True} if args.cuda_graph else {}
     rows = [
-        run(args.layers, offload, sd, steps=args.steps)
+        run(args.layers, offload, sd, warmup=args.warmup, steps=args.steps, **extra)
         for offload in (True, False)
         for sd in (None, torch.int8)
     ]
@@ -94,7 +99,9 @@ def main() -> None:
     same = {sd: rows[i]["digest"] == rows[i + 2]["digest"] for i, sd in enumerate(("fp32", "int8"))}
     print("offloaded == resident, bit for bit (digest of every weight):", same)
     for mib in args.chunk_mib:
-        rows.append(run(args.layers, True, torch.int8, steps=args.steps, chunk_mib=mib))
+        rows.append(
+            run(args.layers, True, torch.int8, args.warmup, args.steps, chunk_mib=mib, **extra)
+        )
         print({k: v for k, v in rows[-1].items() if k != "digest"}, flush=True)
     for r in rows:
         r.pop("digest")
