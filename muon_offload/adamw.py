@@ -21,8 +21,9 @@ class AdamW(ChunkedOptimizer):
     must stay False, and ``foreach``, ``capturable`` and ``fused`` are accepted and ignored
     (the update is always one fused kernel per chunk). The bias-correction step is the
     group's ``step``, which advances once per ``step()`` call. ``offload``, ``chunk_bytes``,
-    ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype`` and ``backend`` are as for
-    ``Muon``.
+    ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype``, ``backend`` and
+    ``cuda_graph`` (capture the step as a CUDA graph and replay it; the bias correction and
+    learning rate still change every step) are as for ``Muon``.
 
     Checkpoints go both ways with ``torch.optim.AdamW``: ``state_dict()`` also carries torch's
     per-parameter ``step`` (a float32 tensor), and a torch state dict (no group ``step``) sets
@@ -54,6 +55,7 @@ class AdamW(ChunkedOptimizer):
         resident_chunk_bytes: int | None = None,
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
+        cuda_graph: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -78,6 +80,7 @@ class AdamW(ChunkedOptimizer):
             resident_chunk_bytes=resident_chunk_bytes,
             state_dtype=state_dtype,
             backend=backend,
+            cuda_graph=cuda_graph,
         )
 
     def _read_hyper(self, group: dict, index: int) -> Hyper:

@@ -150,6 +150,10 @@ class Muon(ChunkedOptimizer):
             It sets how many same-shape matrices are orthogonalized in one batch.
         state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
         backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
+        cuda_graph: capture the step as a CUDA graph once it is stable and replay it while
+            the gradients, parameters and state stay where they are (hyper-parameter changes
+            reach the replay); see docs/usage.md ("CUDA graphs"). Needs parameters on CUDA
+            and the Triton kernels; no ``distributed_mesh``, DTensor or ``closure`` yet.
     """
 
     def __init__(
@@ -177,6 +181,7 @@ class Muon(ChunkedOptimizer):
         resident_chunk_bytes: int | None = None,
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
+        cuda_graph: bool = False,
     ):
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
@@ -226,6 +231,7 @@ class Muon(ChunkedOptimizer):
             state_dtype=state_dtype,
             backend=backend,
             distributed_mesh=distributed_mesh,
+            cuda_graph=cuda_graph,
         )
 
     @property

@@ -218,6 +218,7 @@ class CheckpointMixin:
             self.resident_bytes,
             self.state_dtype,
             self.backend,
+            self.cuda_graph,
         )
         return {**super().__getstate__(), "algorithms": self.algorithms, "_settings": settings}
 

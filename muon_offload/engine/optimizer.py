@@ -34,14 +34,15 @@ from ..distributed import (
 )
 from ..hyper import Hyper, check_param_dtypes, check_state_fits, step_work
 from ..rank_agreement import StepAgreements
-from . import dispatch
+from . import graphs
 from .algorithm import Algorithm
 from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk
+from .graphs import GraphMixin, StepGraphs
 from .interrupt import interrupted
 from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, plan_step
-from .scalars import ScalarTable
+from .scalars import ScalarTable, scalar_table
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
 from .state import StateMixin, StateStore
@@ -53,7 +54,7 @@ LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communicatio
 _shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
-class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
+class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -71,6 +72,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         state_dtype: torch.dtype | None,
         backend: str,
         distributed_mesh=None,
+        cuda_graph: bool = False,
     ):
         settings = Settings.check(
             offload=offload,
@@ -79,8 +81,11 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
             resident_chunk_bytes=resident_chunk_bytes,
             state_dtype=state_dtype,
             backend=backend,
+            cuda_graph=cuda_graph,
         )
-        self._setup(settings, resolve_mesh(distributed_mesh))
+        mesh = resolve_mesh(distributed_mesh)
+        graphs.check_settings(settings, mesh.group)
+        self._setup(settings, mesh)
         self._constructed = False
         super().__init__(params, defaults)
         check_ranks_agree(self.param_groups, self._mesh_of)
@@ -98,6 +103,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         self.resident_bytes = settings.resident_bytes
         self.state_dtype = settings.state_dtype
         self.backend = settings.backend
+        self.cuda_graph = settings.cuda_graph
+        self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
         # (plan, transfers, layouts, the work planned) by what they depend on (``_plan``);
         # cleared whenever state is created or loaded and when the budgets change.
         self._plans: dict[tuple, tuple[Plan, list[Transfer | None], list[ChunkLayout], list]] = {}
@@ -124,6 +131,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         try:
             if group_mesh is not None:
                 self._group_meshes[index] = resolve_mesh(group_mesh)
+            if self.cuda_graph:
+                graphs.check_group(self.param_groups[index], index, self._mesh_of(index).group)
             hyper = self._read_hyper(self.param_groups[index], index)
             check_param_dtypes(self.param_groups[index], index)
             if self.state_dtype == torch.int8 and any(
@@ -251,22 +260,16 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
                 self._cpu_notice_given = True
         return hypers, work, device
 
-    def _scalar_rows(self, device, layouts, hypers, steps) -> list[list[Tensor]] | None:
-        """This step's scalar table on the device (the Triton path's kernels read their
-        hyper-parameters there), each unit's row; None on the torch path."""
-        if not dispatch.uses_triton(self.backend, device):
-            return None
-        if self._scalars is None or self._scalars.device != device:
-            self._scalars = ScalarTable(device)
-        return self._scalars.write(layouts, hypers, steps)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         loss = None
+        if self.cuda_graph and closure is not None:
+            raise ValueError("cuda_graph=True takes no closure: run it before step()")
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         hypers, work, device = self._check_step()
+        graphs.check_device(self.cuda_graph, device)
         # Every rank of a mesh steps the same parameters (one CPU all-reduce per mesh).
         self._agreements.check(self.param_groups, self._mesh_of)
         if not work:
@@ -282,7 +285,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
         self._scheduler.timeline = self._timeline_marks
         steps = [g["step"] + 1 for g in self.param_groups]
         # The kernels' scalars (this step's counts) on the device, before the counts advance.
-        rows = self._scalar_rows(device, layouts, hypers, steps)
+        self._scalars = scalar_table(self._scalars, self.backend, device)
+        rows = self._scalars and self._scalars.write(layouts, hypers, steps)
         for group in self.param_groups:
             group["step"] += 1
         progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
@@ -294,7 +298,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, Optimizer):
             run_chunk(ctx, layouts[i], views, progress[i], None if rows is None else rows[i])
 
         try:
-            self._scheduler.run(transfers, update)
+            self._run_step(work, layouts, hypers, transfers, update)  # graphs.py: maybe a graph
         except BaseException as err:
             report = interrupted(plan, work, progress, err, self.param_groups)
             if isinstance(err, Exception):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import dispatch
 from .chunks import ChunkLayout
 
 ROW_ALIGN = 4  # fp32 values: 16 bytes
@@ -47,6 +48,14 @@ def _rows(layouts: Sequence[ChunkLayout]):
             mine.append(index[key])
         unit_rows.append(mine)
     return rows, unit_rows
+
+
+def scalar_table(table: ScalarTable | None, backend: str, device) -> ScalarTable | None:
+    """The table a step on ``device`` uses (``table`` when it fits): None on the torch path,
+    whose references take Python numbers."""
+    if not dispatch.uses_triton(backend, device):
+        return None
+    return table if table is not None and table.device == device else ScalarTable(device)
 
 
 class ScalarTable:

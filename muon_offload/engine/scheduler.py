@@ -9,7 +9,8 @@ It owns its streams, events and staging buffers, all created once and reused. Or
 events only (no host sync inside a step): a chunk's update waits for its load, its store waits
 for its update, and a staging slot is loaded again only after its previous store finished.
 Without a CUDA device the same code runs with plain copies and no streams, so CI tests the
-logic of the pipeline.
+logic of the pipeline. A step captured as a CUDA graph (``graphs.py``) runs this same code under
+capture: the side streams fork from the capturing stream and join back into it.
 """
 
 from __future__ import annotations
@@ -146,6 +147,29 @@ class StreamScheduler:
         if self.cuda:
             self._stored_once = [False] * self.ring
 
+    def prepare(self, transfers: Sequence[Transfer | None]) -> list[int]:
+        """Size the ring for ``transfers`` (``run`` does it too; a graph's key reads the
+        staging buffers after it); return the streamed chunks' indices."""
+        streamed = [i for i, t in enumerate(transfers) if t is not None]
+        self.reserve(max((t.nbytes for t in transfers if t is not None), default=0), len(streamed))
+        if transfers is not self._views_for:
+            self._views_for = transfers
+            self._view_cache.clear()
+        return streamed
+
+    @property
+    def staging_buffers(self) -> tuple[Tensor, ...]:
+        return tuple(self._staging)
+
+    def forget_events(self) -> None:
+        """Drop the waits on earlier steps' stores, around a CUDA graph capture: waits inside a
+        capture may only name events recorded in it. Safe: a step's first loads already follow
+        the previous step's stores, since ``run`` ends with the compute stream waiting for the
+        store stream and starts with the load stream waiting for the compute stream; a graph's
+        replays run in order on one stream, so each one's loads follow the last one's stores."""
+        if self.cuda:
+            self._stored_once = [False] * self.ring
+
     def _views(self, chunk: int, slot: int, transfer: Transfer) -> tuple[Tensor, ...]:
         views = self._view_cache.get(chunk)
         if views is None:
@@ -168,11 +192,7 @@ class StreamScheduler:
         ``views`` are the same tensors at every ``run`` of the same ``transfers``: read them,
         never change them.
         """
-        streamed = [i for i, t in enumerate(transfers) if t is not None]
-        self.reserve(max((t.nbytes for t in transfers if t is not None), default=0), len(streamed))
-        if transfers is not self._views_for:
-            self._views_for = transfers
-            self._view_cache.clear()
+        streamed = self.prepare(transfers)
         slot_of = {chunk: k % len(self._staging) for k, chunk in enumerate(streamed)}
         if not self.cuda:
             for i, transfer in enumerate(transfers):
@@ -202,7 +222,10 @@ class StreamScheduler:
             self._run_streams(transfers, update, streamed, slot_of, compute)
         finally:
             # Also after an error: what follows on the compute stream sees every stored chunk.
+            # Both side streams join back, so that a capture of the step (graphs.py) ends with
+            # no stream left forked, even when no chunk is streamed.
             compute.wait_stream(self.d2h_stream)
+            compute.wait_stream(self.h2d_stream)
 
     def _run_streams(self, transfers, update, streamed, slot_of, compute) -> None:
         next_load = 0

@@ -44,14 +44,24 @@ class Settings:
     resident_bytes: int | None  # None: everything resident (offload off)
     state_dtype: torch.dtype | None
     backend: str
+    cuda_graph: bool = False
 
     @classmethod
     def check(
-        cls, *, offload, chunk_bytes, resident_bytes, resident_chunk_bytes, state_dtype, backend
+        cls,
+        *,
+        offload,
+        chunk_bytes,
+        resident_bytes,
+        resident_chunk_bytes,
+        state_dtype,
+        backend,
+        cuda_graph=False,
     ) -> Settings:
-        if not isinstance(offload, bool):
-            # "no" or 0.0 would read as a truth value; say what is wanted instead.
-            raise ValueError(f"offload must be True or False, got {offload!r}")
+        for name, flag in (("offload", offload), ("cuda_graph", cuda_graph)):
+            if not isinstance(flag, bool):
+                # "no" or 0.0 would read as a truth value; say what is wanted instead.
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         if chunk_bytes is None:
             chunk_bytes = DEFAULT_CHUNK_BYTES
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
@@ -75,4 +85,5 @@ class Settings:
             resident_bytes=resident_bytes if offload else None,
             state_dtype=state_dtype,
             backend=backend,
+            cuda_graph=cuda_graph,
         )

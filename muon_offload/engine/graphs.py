@@ -1,0 +1,314 @@
+"""``cuda_graph=True``: the step's GPU work captured once as a CUDA graph and replayed.
+
+The host time of a step is mostly kernel launches (thousands a step on large models); a replay
+issues them all at once. What a step passes to its launches by value, the graph keeps, so:
+
+- runtime scalars (learning rates, decays, bias corrections, mu, eps) are read by the kernels
+  from the step's scalar table (``scalars.py``), which every step, eager or replayed, fills;
+- everything else the graph captured by address or as a constant is the graph's key
+  (``step_key``): the plan, every parameter's and gradient's address, shape and dtype, every
+  state tensor's address, the staging ring, the scalar table's buffer, the backend and what
+  each group's launches take as constants (``Algorithm.baked``: Muon's nesterov, ``adjust_lr``,
+  ...). While the key holds, the graph replays; when it changes, the graph is dropped, the
+  next step runs eagerly and the one after captures again. A plan made afresh (state created
+  or loaded, new budgets) is a new key, so ``load_state_dict`` drops the graph.
+
+Sequence (``StepGraphs.step``): eager steps until a step's key equals the last step's (state
+exists, every kernel is compiled and tuned, every pointer table built), then capture (on a side
+stream, where the eager steps also ran, as torch asks) and replay that step; replay after.
+Nothing may allocate host memory, copy from pageable memory or tune under capture: a miss
+raises ``CaptureMiss`` (kernels/_launch.py) and graphs are turned off, eagerly. After
+``MAX_MISSES`` steps in a row that could not replay (gradients at new addresses every step),
+a warning is logged once and the optimizer stays eager.
+
+Pointer tables read by the graph are held with it (``TableCache.holding``); temporaries live in
+the graph's private memory pool (``pool_bytes``: about one step's peak of temporaries).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..distributed import DTensor
+from ..kernels._launch import TABLES
+
+log = logging.getLogger(__name__)
+
+MAX_MISSES = 4  # steps in a row that could not replay before graphs are given up
+_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
+
+
+class GraphKey(NamedTuple):
+    plan: int  # id of the plan's chunk layouts (held with the graph: never reused meanwhile)
+    params: tuple  # each parameter's address, shape, dtype
+    grads: tuple  # each gradient's address, shape, dtype
+    state: tuple  # each state tensor's address
+    staging: tuple  # the staging ring's buffers
+    table: tuple  # the scalar table's buffer: address, size
+    baked: tuple  # backend; each group's algorithm and what its launches hold as constants
+
+
+WHAT = {
+    "plan": "the plan (state created or loaded, other parameters with gradients, new budgets)",
+    "params": "the parameters' addresses, shapes or dtypes",
+    "grads": "the gradients' addresses, shapes or dtypes (keep them in place: "
+    "zero_grad(set_to_none=False))",
+    "state": "the state tensors' addresses",
+    "staging": "the staging buffers",
+    "table": "the scalar table",
+    "baked": "a setting the launches take as a constant (backend, nesterov, adjust_lr, ...)",
+}
+
+
+def _addresses(tensors: Sequence[Tensor]) -> tuple:
+    return (
+        tuple(map(Tensor.data_ptr, tensors)),
+        tuple(map(_shape, tensors)),
+        tuple(map(_dtype, tensors)),
+    )
+
+
+def step_key(
+    work, layouts, hypers, state: dict, algorithms: dict, staging, table: Tensor, backend: str
+) -> tuple[GraphKey | None, str]:
+    """This step's key, or None and why the step cannot be captured."""
+    params = [p for _, p in work]
+    grads = [p.grad for p in params]
+    if not all(map(Tensor.is_contiguous, grads)):
+        return None, "a gradient is not contiguous (the step copies it afresh each time)"
+    baked = (backend,) + tuple((h.algorithm, algorithms[h.algorithm].baked(h)) for h in hypers)
+    key = GraphKey(
+        plan=id(layouts),
+        params=_addresses(params),
+        grads=_addresses(grads),
+        state=tuple(t.data_ptr() for p in params for t in state[p].values()),
+        staging=tuple(map(Tensor.data_ptr, staging)),
+        table=(table.data_ptr(), table.numel()),
+        baked=baked,
+    )
+    return key, ""
+
+
+def changed(a: GraphKey, b: GraphKey) -> str:
+    """What differs between two keys, in words."""
+    return "; ".join(WHAT[f] for f in GraphKey._fields if getattr(a, f) != getattr(b, f))
+
+
+def check_settings(settings, mesh_group) -> None:
+    """Constructor arguments ``cuda_graph=True`` cannot work with."""
+    if not settings.cuda_graph:
+        return
+    if settings.backend == "torch":
+        raise ValueError(
+            "cuda_graph=True needs the Triton kernels (backend 'auto' or 'triton'): the torch "
+            "references take their hyper-parameters as Python numbers, which a graph would fix"
+        )
+    if mesh_group is not None:
+        raise NotImplementedError("cuda_graph=True does not support a distributed_mesh yet")
+
+
+def check_group(group: dict, index: int, mesh_group) -> None:
+    """A param group ``cuda_graph=True`` cannot capture: refused when it is added."""
+    if mesh_group is not None:
+        raise NotImplementedError(
+            f"param group {index}: cuda_graph=True does not support a distributed_mesh yet"
+        )
+    for p in group["params"]:
+        if isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"param group {index}: cuda_graph=True does not support DTensor parameters yet"
+            )
+        if p.device.type != "cuda":
+            raise ValueError(
+                f"param group {index}: cuda_graph=True needs parameters on a CUDA device, got "
+                f"one on {p.device}"
+            )
+
+
+def check_device(cuda_graph: bool, device: torch.device | None) -> None:
+    """A step's parameters must be on CUDA (they may have moved since construction)."""
+    if cuda_graph and device is not None and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs parameters on a CUDA device, not {device}")
+
+
+class _CudaGraph:
+    """A torch.cuda.CUDAGraph captured on a given side stream."""
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.graph = torch.cuda.CUDAGraph()
+        self.stream = stream
+        self.pool_bytes = 0
+
+    def capture(self, body: Callable[[], None]) -> None:
+        torch.cuda.synchronize(self.stream.device)
+        torch.cuda.empty_cache()  # as torch.cuda.graph does: the pool's growth is then ours
+        before = torch.cuda.memory_reserved(self.stream.device)
+        # thread_local: another thread's CUDA calls (a DataLoader pinning memory) do not
+        # invalidate this capture.
+        with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+            body()
+        self.pool_bytes = torch.cuda.memory_reserved(self.stream.device) - before
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def reset(self) -> None:
+        self.graph.reset()
+
+
+class StepGraphs:
+    """Decides, step by step, between eager, capture and replay, and keeps the graph.
+
+    ``new_graph()`` makes an object with ``capture(body)``, ``replay()`` and ``reset()``
+    (a CUDA graph on the GPU; tests pass a stand-in)."""
+
+    def __init__(self, device: torch.device, new_graph: Callable[[], object] | None = None):
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._new_graph = new_graph or (lambda: _CudaGraph(self._stream))
+        self._graph = None
+        self._key: GraphKey | None = None
+        self._holds: tuple = ()  # what the graph reads by address: layouts, pointer tables
+        self._last: tuple[GraphKey | None, object] | None = None  # last step's key, layouts
+        self.captures = self.replays = self.eager_steps = 0
+        self.misses = 0  # steps in a row that could not replay
+        self.off: str | None = None  # why graphs were given up, once they are
+
+    @property
+    def pool_bytes(self) -> int:
+        return getattr(self._graph, "pool_bytes", 0)
+
+    def stats(self) -> dict:
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "eager_steps": self.eager_steps,
+            "captured": self._graph is not None,
+            "pool_bytes": self.pool_bytes,
+            "off": self.off,
+        }
+
+    def step(self, key: GraphKey | None, why_not: str, layouts, body, scheduler) -> str:
+        """Run the step's GPU work (``body``): "replay", "capture" (then replayed once),
+        or "eager"."""
+        if self.off is not None:
+            body()
+            self.eager_steps += 1
+            return "eager"
+        if self._graph is not None and key == self._key:
+            self._graph.replay()
+            self.replays += 1
+            self.misses = 0
+            return "replay"
+        last = self._last
+        self._last = (key, layouts)  # holds the layouts: their id stays theirs
+        if self._graph is not None:
+            why_not = changed(key, self._key) if key is not None else why_not
+            self.drop()
+        elif key is not None and last is not None and last[0] == key:
+            if self._capture(key, layouts, body, scheduler):
+                return "capture"
+        elif last is not None and key is not None and last[0] is not None:
+            why_not = changed(key, last[0])
+        if last is not None:  # a step ran before: this one could have replayed
+            self.misses += 1
+            if self.misses >= MAX_MISSES:
+                self._give_up(f"{self.misses} steps in a row could not replay: {why_not}")
+        self._eager(body)
+        return "eager"
+
+    def drop(self) -> None:
+        """Forget the graph (its key no longer holds, or the state it read is gone)."""
+        if self._graph is None:
+            return
+        if self._stream is not None:
+            # A replay may still be running: let it finish before its pool is released.
+            torch.cuda.current_stream(self.device).synchronize()
+        self._graph.reset()
+        self._graph, self._key, self._holds = None, None, ()
+
+    def _give_up(self, why: str) -> None:
+        self.drop()
+        self.off = why
+        log.warning("cuda_graph: the step stays eager from now on (%s)", why)
+
+    def _eager(self, body) -> None:
+        """An eager step on the side stream that captures use (torch's warm-up rule)."""
+        self.eager_steps += 1
+        if self._stream is None:
+            body()
+            return
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self._stream):
+                body()
+        finally:
+            current.wait_stream(self._stream)
+
+    def _capture(self, key: GraphKey, layouts, body, scheduler) -> bool:
+        graph = self._new_graph()
+        scheduler.forget_events()  # no wait on an event recorded outside the capture
+        try:
+            with TABLES.holding() as tables:
+                graph.capture(body)
+        except Exception as err:  # nothing ran: the step runs eagerly instead
+            scheduler.forget_events()
+            self._give_up(f"the capture failed: {type(err).__name__}: {err}")
+            return False
+        scheduler.forget_events()  # its events were recorded inside the capture
+        self._graph, self._key, self._holds = graph, key, (layouts, tables)
+        self.captures += 1  # misses stay: only a replay of an earlier capture clears them
+        graph.replay()
+        return True
+
+
+class GraphMixin:
+    """The optimizer's side of ``cuda_graph=True`` (``ChunkedOptimizer``)."""
+
+    def _run_step(self, work, layouts, hypers, transfers, update) -> None:
+        """The step's GPU work, the chunks through the scheduler: run eagerly, or captured and
+        replayed (``cuda_graph=True``; eager while ``timeline()`` records)."""
+        sched = self._scheduler
+
+        def body() -> None:
+            sched.run(transfers, update)
+
+        if not self.cuda_graph or self._timeline_marks is not None:
+            body()
+            return
+        if self._graphs is None or self._graphs.device != sched.device:
+            self._graphs = StepGraphs(sched.device)
+        sched.prepare(transfers)  # the staging ring as this step uses it, for the key
+        table = self._scalars.buffer if self._scalars is not None else None
+        if table is None:
+            key, why = None, "the step runs no Triton kernels"
+        else:
+            key, why = step_key(
+                work,
+                layouts,
+                hypers,
+                self.state,
+                self.algorithms,
+                sched.staging_buffers,
+                table,
+                self.backend,
+            )
+        self._graphs.step(key, why, layouts, body, sched)
+
+    def graph_stats(self) -> dict | None:
+        """With ``cuda_graph=True``: captures, replays, eager steps, whether a graph is held,
+        its memory pool's bytes (approximate: the reserved memory the capture added) and why
+        graphs were given up (None while they are not). None otherwise."""
+        if not self.cuda_graph:
+            return None
+        if self._graphs is None:
+            return StepGraphs(torch.device("cpu")).stats()
+        return self._graphs.stats()

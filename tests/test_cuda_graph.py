@@ -1,0 +1,274 @@
+"""``cuda_graph=True`` on the CPU: argument checks and refusals, and the capture / replay /
+re-capture decisions (engine/graphs.py) with a stand-in graph whose replay runs the captured
+step's Python again. What a replay bakes in is checked elsewhere: no launch takes a
+hyper-parameter by value (test_step_scalars.py); replays on a GPU: test_gpu_graph.py."""
+
+import logging
+
+import pytest
+import torch
+from muon_offload.kernels._launch import CaptureMiss
+
+from muon_offload import AdamW, Muon
+from muon_offload.engine import graphs
+from muon_offload.engine.graphs import MAX_MISSES, StepGraphs
+from muon_offload.engine.settings import Settings
+
+SETTINGS = dict(
+    offload=False,
+    chunk_bytes=None,
+    resident_bytes=None,
+    resident_chunk_bytes=None,
+    state_dtype=None,
+    backend="auto",
+)
+
+
+class FakeGraph:
+    """capture() keeps the body without running it (as a CUDA capture runs nothing);
+    replay() runs it."""
+
+    def __init__(self, fail: bool = False):
+        self.body, self.replays, self.was_reset, self.fail = None, 0, False, fail
+
+    def capture(self, body):
+        if self.fail:
+            raise CaptureMiss("muon_apply was not tuned before the capture")
+        self.body = body
+
+    def replay(self):
+        self.replays += 1
+        self.body()
+
+    def reset(self):
+        self.was_reset = True
+
+
+def _params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(24, 40), (24, 40), (40, 24), (77,), (5,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _muon(params, graphed, monkeypatch=None, made=None, fail=False, **kw):
+    groups = [
+        dict(params=params[:3]),
+        dict(params=params[3:4], algorithm="adamw", lr=3e-3),
+        dict(params=params[4:], algorithm="lion", lr=1e-3),
+    ]
+    opt = Muon(groups, lr=0.02, backend="triton", **kw)
+    if graphed:
+        # The CPU stands in for the GPU: the device check is the one thing bypassed.
+        monkeypatch.setattr(graphs, "check_device", lambda cuda_graph, device: None)
+        opt.cuda_graph = True
+
+        def new_graph():
+            made.append(FakeGraph(fail))
+            return made[-1]
+
+        opt._graphs = StepGraphs(torch.device("cpu"), new_graph)
+    return opt
+
+
+def _grads(params, step, move=False):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        g = torch.randn(p.shape, generator=gen)
+        if move or p.grad is None:
+            p.grad = g
+        else:
+            p.grad.copy_(g)  # in place: the addresses a graph holds stay valid
+
+
+def _equal(a, b, opt_a, opt_b):
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p, q)
+        for k in opt_a.state[p]:
+            assert torch.equal(opt_a.state[p][k], opt_b.state[q][k])
+
+
+# ------------------------------------------------------------------ arguments and refusals
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, 0.0])
+def test_cuda_graph_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+        Muon(_params(), cuda_graph=value)
+    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+        AdamW(_params(), cuda_graph=value)
+
+
+def test_refuses_parameters_off_cuda():
+    with pytest.raises(ValueError, match="needs parameters on a CUDA device"):
+        Muon(_params(), cuda_graph=True)
+    with pytest.raises(ValueError, match="needs parameters on a CUDA device"):
+        AdamW(_params(), cuda_graph=True)
+
+
+def test_refuses_the_torch_backend():
+    with pytest.raises(ValueError, match="needs the Triton kernels"):
+        Muon(_params(), cuda_graph=True, backend="torch")
+
+
+def test_refuses_meshes_and_dtensors():
+    with pytest.raises(NotImplementedError, match="distributed_mesh"):
+        graphs.check_settings(Settings.check(**SETTINGS, cuda_graph=True), object())
+    with pytest.raises(NotImplementedError, match="distributed_mesh"):
+        graphs.check_group({"params": []}, 1, object())
+
+
+def test_added_group_is_checked_too(monkeypatch):
+    opt = _muon(_params(), True, monkeypatch, [])
+    with pytest.raises(ValueError, match="param group 3: cuda_graph=True needs parameters"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(4, 4))]))
+    assert len(opt.param_groups) == 3
+
+
+def test_step_refuses_closure_and_cpu_before_touching_state(monkeypatch):
+    params = _params()
+    opt = _muon(params, False)
+    opt.cuda_graph = True
+    _grads(params, 0)
+    called = []
+    with pytest.raises(ValueError, match="takes no closure"):
+        opt.step(lambda: called.append(1))
+    with pytest.raises(ValueError, match="needs parameters on a CUDA device"):
+        opt.step()
+    assert not called and not opt.state and opt.param_groups[0]["step"] == 0
+
+
+# ------------------------------------------------------------------ capture and replay
+
+
+def test_eager_then_capture_then_replay_equal_to_eager(monkeypatch):
+    a, b, made = _params(), _params(), []
+    opt_a, opt_b = _muon(a, True, monkeypatch, made), _muon(b, False)
+    for s in range(5):
+        for opt, ps in ((opt_a, a), (opt_b, b)):
+            _grads(ps, s)
+            for g in opt.param_groups:  # an LR schedule and other changes: no re-capture
+                g["lr"] *= 0.8
+                g["weight_decay"] = 0.01 * s
+            opt.param_groups[0]["mu"] = 0.9 + 0.01 * s
+            opt.step()
+    _equal(a, b, opt_a, opt_b)
+    stats = opt_a.graph_stats()
+    assert (stats["captures"], stats["replays"], stats["eager_steps"]) == (1, 3, 1)
+    assert len(made) == 1 and made[0].replays == 4  # the capture step replays once too
+    assert opt_b.graph_stats() is None
+
+
+def test_gradients_moved_once_recapture(monkeypatch):
+    params, made = _params(), []
+    opt = _muon(params, True, monkeypatch, made)
+    kept = []
+    for s in range(7):
+        _grads(params, s, move=(s == 3))
+        kept.append([p.grad for p in params])  # old gradients stay alive: new addresses
+        opt.step()
+    # 0 eager, 1 capture, 2 replay, 3 moved: dropped, eager, 4 capture, 5-6 replay
+    assert made[0].was_reset and not made[1].was_reset
+    assert opt.graph_stats()["captures"] == 2 and opt.graph_stats()["replays"] == 3
+
+
+def test_gradients_that_move_every_step_give_up_once(monkeypatch, caplog):
+    params, made, kept = _params(), [], []
+    opt = _muon(params, True, monkeypatch, made)
+    with caplog.at_level(logging.WARNING, logger="muon_offload.engine.graphs"):
+        for s in range(MAX_MISSES + 3):
+            _grads(params, s, move=True)
+            kept.append([p.grad for p in params])
+            opt.step()
+    assert not made
+    stats = opt.graph_stats()
+    assert stats["off"] and "gradients" in stats["off"]
+    warnings = [r for r in caplog.records if "stays eager" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_captures_dropped_before_replay_give_up(monkeypatch):
+    """A key that changes every other step: each capture would be used once, then dropped."""
+    params, made, kept = _params(), [], []
+    opt = _muon(params, True, monkeypatch, made)
+    for s in range(4 * MAX_MISSES):
+        _grads(params, s, move=(s % 2 == 0))
+        kept.append([p.grad for p in params])
+        opt.step()
+    assert opt.graph_stats()["off"] and len(made) < MAX_MISSES + 1
+
+
+def test_load_state_dict_drops_the_graph(monkeypatch):
+    a, b, made = _params(), _params(), []
+    opt_a, opt_b = _muon(a, True, monkeypatch, made), _muon(b, False)
+    for s in range(3):
+        for opt, ps in ((opt_a, a), (opt_b, b)):
+            _grads(ps, s)
+            opt.step()
+    saved = opt_b.state_dict()
+    opt_a.load_state_dict(saved)
+    opt_b.load_state_dict(saved)
+    for s in range(3, 6):
+        for opt, ps in ((opt_a, a), (opt_b, b)):
+            _grads(ps, s)
+            opt.step()
+    _equal(a, b, opt_a, opt_b)
+    assert made[0].was_reset and len(made) == 2
+
+
+def test_baked_settings_recapture(monkeypatch):
+    params, made = _params(), []
+    opt = _muon(params, True, monkeypatch, made)
+    for s in range(3):
+        _grads(params, s)
+        opt.step()
+    opt.param_groups[0]["nesterov"] = True  # a compile-time flag of the prep kernel
+    for s in range(3, 6):
+        _grads(params, s)
+        opt.step()
+    assert len(made) == 2 and made[0].was_reset
+
+
+def test_non_contiguous_gradients_stay_eager(monkeypatch):
+    params, made = _params(), []
+    opt = _muon(params, True, monkeypatch, made)
+    for s in range(MAX_MISSES + 2):
+        _grads(params, s)
+        params[2].grad = params[2].grad.t().contiguous().t()  # a transposed layout
+        opt.step()
+    assert not made and "not contiguous" in opt.graph_stats()["off"]
+
+
+def test_failed_capture_runs_the_step_eagerly_once(monkeypatch):
+    a, b, made = _params(), _params(), []
+    opt_a = _muon(a, True, monkeypatch, made, fail=True)
+    opt_b = _muon(b, False)
+    for s in range(4):
+        for opt, ps in ((opt_a, a), (opt_b, b)):
+            _grads(ps, s)
+            opt.step()
+    _equal(a, b, opt_a, opt_b)
+    assert "capture failed: CaptureMiss" in opt_a.graph_stats()["off"]
+    assert [g["step"] for g in opt_a.param_groups] == [4, 4, 4]
+
+
+def test_key_names_what_changed(monkeypatch):
+    params = _params()
+    opt = _muon(params, False)
+    _grads(params, 0)
+    opt.step()
+    hypers, work, _ = opt._check_step()
+    _, _, layouts = opt._plan(work, hypers)
+
+    def key():
+        k, why = graphs.step_key(
+            work, layouts, hypers, opt.state, opt.algorithms, (), opt._scalars.buffer, "triton"
+        )
+        return k
+
+    first = key()
+    assert key() == first
+    params[0].grad = params[0].grad.clone()
+    assert "gradients" in graphs.changed(key(), first)
+    moved = key()
+    params[1].data = params[1].data.clone()
+    assert graphs.changed(key(), moved).startswith("the parameters")
