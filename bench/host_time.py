@@ -24,6 +24,15 @@ For each case it prints the median wall time of a step (no profiler), the aten o
 issues (each one a kernel launch or a view on a GPU), and a cProfile breakdown by phase,
 scaled to the unprofiled wall time, with the time spent inside torch calls apart from the
 Python around them. Host-only figures: nothing here is a GPU measurement.
+
+``--gpu`` (on a GPU; issue 17's targets) times the real step instead, eager and with
+``cuda_graph=True``, on the demo model and the full-size qwen3 workload (``--scale`` 1 unless
+given), resident and offloaded: the host time to issue a step (``step()`` returning), the
+step's GPU time (CUDA events around it, the GPU held by a sleep kernel while the host issues,
+so that no host gap counts), their ratio, the synchronized step time, and the graph's
+captures, replays and memory pool:
+
+    python bench/host_time.py --gpu [--only demo|qwen3] [--layers 48] [--steps 20]
 """
 
 from __future__ import annotations
@@ -235,21 +244,124 @@ def qwen3_cases(layers: int, scale: int):
     )
 
 
+def gpu_cases(only: str | None, layers: int, scale: int):
+    """(name, make optimizer(cuda_graph)) on the GPU, gradients in place."""
+    device = torch.device("cuda")
+    if only in (None, "demo"):
+        torch.manual_seed(0)
+        vocab, dim, heads, seq, batch = 64, 64, 4, 32, 16
+        model = demo.TinyGPT(vocab, dim, 2, heads, seq).to(device)
+        tokens = next(demo.markov_batches(vocab, seq, batch, seed=1)).to(device)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        for name, kw in (("resident", {}), ("offload 256 KiB", dict(chunk_bytes=256 << 10))):
+            offload = bool(kw)
+            yield (
+                f"demo {name}",
+                lambda g, kw=kw, offload=offload: Muon(
+                    demo.param_groups(model), lr=0.02, offload=offload, cuda_graph=g, **kw
+                ),
+            )
+    if only in (None, "qwen3"):
+        specs = [
+            ParamSpec(s.name, tuple(max(1, d // scale) for d in s.shape), s.algorithm)
+            for s in qwen3_30b_a3b_ep8_rank(layers)
+        ]
+        groups, _, _ = build(specs, device)
+        what = f"qwen3 {layers} layers" + (f" / {scale}" if scale > 1 else "")
+        for name, offload in (("resident", False), ("offload", True)):
+            yield (
+                f"{what} {name}",
+                lambda g, o=offload: Muon(groups, lr=0.01, offload=o, cuda_graph=g),
+            )
+
+
+def measure_gpu(name: str, make, steps: int) -> dict:
+    opt = make(name.endswith("graph"))
+    for _ in range(4):  # state, tuning; with cuda_graph: eager, capture, replays
+        opt.step()
+    host, total = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.step()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        total.append(time.perf_counter() - start)
+    gpu = []
+    hold = max(host) * 2 + 1e-3  # the GPU sleeps while the host issues the whole step
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(hold * 2e9))  # cycles at ~2 GHz
+        begin.record()
+        opt.step()
+        end.record()
+        end.synchronize()
+        gpu.append(begin.elapsed_time(end) / 1e3)
+    row = {
+        "case": name,
+        "host_ms": statistics.median(host) * 1e3,
+        "gpu_ms": statistics.median(gpu) * 1e3,
+        "step_ms": statistics.median(total) * 1e3,
+        "step_min_ms": min(total) * 1e3,
+        "graph": opt.graph_stats(),
+    }
+    row["host_over_gpu"] = row["host_ms"] / row["gpu_ms"]
+    del opt
+    torch.cuda.empty_cache()
+    return row
+
+
+def main_gpu(args) -> list[dict]:
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'case':<36} {'host ms':>9} {'GPU ms':>9} {'host/GPU':>9} {'step ms':>9}  graph")
+    for name, make in gpu_cases(args.only, args.layers, args.scale or 1):
+        for mode in ("eager", "graph"):
+            r = measure_gpu(f"{name} {mode}", make, args.steps)
+            g = r["graph"] or {}
+            graph = (
+                f"{g['captures']} captures, {g['replays']} replays, pool "
+                f"{g['pool_bytes'] / 2**20:.0f} MiB{', off: ' + g['off'] if g['off'] else ''}"
+                if g
+                else ""
+            )
+            print(
+                f"{r['case']:<36} {r['host_ms']:9.3f} {r['gpu_ms']:9.3f} "
+                f"{r['host_over_gpu']:9.3f} {r['step_ms']:9.3f}  {graph}",
+                flush=True,
+            )
+            rows.append(r)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--scale", type=int, default=64, help="divide every dimension by this")
+    ap.add_argument("--scale", type=int, default=None, help="divide every dimension by this")
+    ap.add_argument("--gpu", action="store_true", help="time the real step on a GPU (above)")
     ap.add_argument("--only", choices=("demo", "qwen3"), default=None)
     ap.add_argument("--kernels", choices=("torch", "stub", "both"), default="both")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    if args.gpu:
+        results = main_gpu(args)
+        if args.json:
+            meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=1)
+        return 0
     torch.set_num_threads(1)  # host time, not CPU kernel parallelism
     cases = []
     if args.only in (None, "demo"):
         cases += list(demo_cases())
     if args.only in (None, "qwen3"):
-        cases += list(qwen3_cases(args.layers, args.scale))
+        cases += list(qwen3_cases(args.layers, args.scale or 64))
     results = []
     modes = ("stub", "torch") if args.kernels == "both" else (args.kernels,)
     for mode in modes:
