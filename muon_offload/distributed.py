@@ -76,11 +76,16 @@ def dtensor_around(local_tensor: Tensor, like: DTensor) -> DTensor:
     """A DTensor laid out like ``like`` whose local tensor is ``local_tensor`` itself, wherever
     it lives. FSDP2 builds its CPU-offloaded shards this way (``_from_local_no_grad``);
     ``DTensor.from_local`` would copy a host tensor to the mesh's device type."""
-    spec = DTensorSpec(
-        like.device_mesh,
-        tuple(like.placements),
-        tensor_meta=TensorMeta(like.shape, like.stride(), local_tensor.dtype),
-    )
+    return dtensor_of(local_tensor, like.device_mesh, like.placements, like.shape, like.stride())
+
+
+def dtensor_of(local_tensor: Tensor, mesh, placements, shape, stride=None) -> DTensor:
+    """A DTensor of global ``shape`` (contiguous unless ``stride``) placed on ``mesh`` whose
+    local tensor is ``local_tensor`` itself, as ``dtensor_around`` (no copy, no move)."""
+    if stride is None:
+        stride = torch.empty(shape, device="meta").stride()
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local_tensor.dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
     return DTensor(local_tensor, spec, requires_grad=False)
 
 

@@ -9,14 +9,16 @@ values are copied into them (or into resident state), converting dtype and devic
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from ..distributed import local, resolve_mesh
+from ..distributed import DTensor, local, resolve_mesh
 from ..hyper import Hyper
 from .settings import Settings
+from .sharded_scales import crop, lay_out, strip_rank_dims
 
 # State may arrive in any of the dtypes our, dion's or torch's optimizers keep it in; others
 # (fp64, integers, complex) are not optimizer state of these algorithms.
@@ -72,11 +74,13 @@ def check_state(
     saved_state: Mapping,
     hypers: Sequence[Hyper],
     state_keys: dict[str, tuple[str, ...]],
+    scales_shape: Callable[[int, Tensor], torch.Size] | None = None,
 ) -> dict[Tensor, dict[str, tuple[Tensor, ...]]]:
     """Map each saved entry to its live parameter and check it holds every state key: dense
     (``key``: the parameter's shape, a floating dtype) or 8-bit (``key_codes`` in the
     parameter's shape, 8-bit integers; ``key_scales`` fp32). Returns live parameter ->
-    {key: (dense,) or (codes, scales)}, local tensors."""
+    {key: (dense,) or (codes, scales)}, local tensors. ``scales_shape(group, p)``: the local
+    8-bit scales of a DTensor parameter, cut out of their rank-major row (sharded_scales.py)."""
     owner = {
         saved_id: (gi, p)
         for gi, (ours, saved) in enumerate(zip(param_groups, saved_groups, strict=True))
@@ -88,13 +92,21 @@ def check_state(
             raise ValueError(f"loaded state names parameter {saved_id!r}, which no group lists")
         gi, p = owner[saved_id]
         where = f"param group {gi} (parameter of shape {tuple(p.shape)})"
+        mine = partial(scales_shape, gi, p) if scales_shape and isinstance(p, DTensor) else None
         loaded[p] = {
-            key: _checked_entry(values, key, p, where) for key in state_keys[hypers[gi].algorithm]
+            key: _checked_entry(values, key, p, where, mine)
+            for key in state_keys[hypers[gi].algorithm]
         }
     return loaded
 
 
-def _checked_entry(values: Mapping, key: str, p: Tensor, where: str) -> tuple[Tensor, ...]:
+def _checked_entry(
+    values: Mapping,
+    key: str,
+    p: Tensor,
+    where: str,
+    scales_shape: Callable[[], torch.Size] | None = None,
+) -> tuple[Tensor, ...]:
     codes, scales = values.get(f"{key}_codes"), values.get(f"{key}_scales")
     if isinstance(codes, Tensor) and isinstance(scales, Tensor):
         if codes.dtype not in (torch.int8, torch.uint8) or scales.dtype != torch.float32:
@@ -117,6 +129,11 @@ def _checked_entry(values: Mapping, key: str, p: Tensor, where: str) -> tuple[Te
         raise ValueError(
             f"{where}: loaded state {key!r} has shape {tuple(first.shape)}, not the parameter's"
         )
+    if len(tensors) == 2:  # a sharded parameter's scales come rank-major (sharded_scales.py)
+        scales = strip_rank_dims(tensors[1], f"{where}, {key!r}")
+        if scales_shape is not None:
+            scales = crop(scales, scales_shape(), f"{where}, {key!r}")
+        return local(tensors[0]), scales
     return tuple(local(t) for t in tensors)
 
 
@@ -164,11 +181,21 @@ def copy_state(opt, loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]]) -> None
                 targets[0].copy_(_decode(*source, kind))
 
 
-def _decode(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
-    from ..kernels import quant_maps
+def _int8():
+    from ..kernels import quant_maps  # imported only where 8-bit state is used
     from .state_format import Int8
 
-    return Int8(quant_maps.QBLOCK).decode(codes, scales, kind)
+    return Int8(quant_maps.QBLOCK)
+
+
+def _decode(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
+    return _int8().decode(codes, scales, kind)
+
+
+def local_scales_shape(opt, gi: int, p: Tensor) -> torch.Size:
+    """The 8-bit scales of one state key of ``p`` on this rank (its local shard's blocks)."""
+    shape = local(p).shape
+    return _int8().scales_shape(shape, opt._matrix_count(gi, shape))
 
 
 class CheckpointMixin:
@@ -176,7 +203,8 @@ class CheckpointMixin:
 
     def state_dict(self) -> dict:
         self._synchronize()
-        return super().state_dict()
+        # 8-bit scales of DTensor parameters: as DTensors that distributed checkpoints shard.
+        return lay_out(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into the existing state tensors (host slabs stay where they are), converting
@@ -190,7 +218,14 @@ class CheckpointMixin:
         new_groups = check_groups(self.param_groups, saved_groups)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(new_groups)]
         keys = {name: a.state_keys for name, a in self.algorithms.items()}
-        loaded = check_state(self.param_groups, saved_groups, saved_state, hypers, keys)
+        loaded = check_state(
+            self.param_groups,
+            saved_groups,
+            saved_state,
+            hypers,
+            keys,
+            lambda gi, p: local_scales_shape(self, gi, p),
+        )
         self._synchronize()
         detach_aliases(loaded, self.state)
         self._ensure_state(hypers)  # may allocate (and fail) before anything is written

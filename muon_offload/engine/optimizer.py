@@ -24,7 +24,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..distributed import (
-    DTensor,
     Mesh,
     Placement,
     check_ranks_agree,
@@ -135,14 +134,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
                 graphs.check_group(self.param_groups[index], index, self._mesh_of(index).group)
             hyper = self._read_hyper(self.param_groups[index], index)
             check_param_dtypes(self.param_groups[index], index)
-            if self.state_dtype == torch.int8 and any(
-                isinstance(p, DTensor) for p in self.param_groups[index]["params"]
-            ):
-                raise ValueError(
-                    f"param group {index}: state_dtype=torch.int8 does not support DTensor "
-                    "(sharded) parameters yet: their per-block scales have no sharded layout "
-                    "for distributed checkpoints; use torch.bfloat16 state"
-                )
+            self._check_quantizable(index)
             for p in self.param_groups[index]["params"]:
                 self._placement(index, p, hyper)
             if self._constructed:

@@ -19,6 +19,7 @@ from ..distributed import DTensor, dtensor_around, local
 from ..hyper import Hyper, matrix_count
 from .host_slabs import HostSlabs
 from .planner import plan_step, unit_params
+from .sharded_scales import check_placements
 from .state_format import StatePolicy
 
 
@@ -54,7 +55,7 @@ class StateStore:
             device = local(p).device
             state[p].update(
                 {
-                    name: like_param(torch.zeros(shape, dtype=dtype, device=device), p)
+                    name: like_param(torch.zeros(shape, dtype=dtype, device=device), p, name)
                     for name, shape, dtype in entry.specs
                 }
             )
@@ -66,18 +67,24 @@ class StateStore:
         tensors = iter(self.host.allocate(specs))
         for e in streamed:
             state[e.param].update(
-                {name: like_param(next(tensors), e.param) for name, _, _ in e.specs}
+                {name: like_param(next(tensors), e.param, name) for name, _, _ in e.specs}
             )
 
 
-def like_param(state: Tensor, param: Tensor) -> Tensor:
+def like_param(state: Tensor, param: Tensor, name: str = "") -> Tensor:
     """State of a DTensor parameter is a DTensor of the same layout around this rank's
     tensor (on the GPU or in the host slabs); the engine itself works on the local tensor.
+    8-bit scales (one a block of this rank's shard) stay local tensors: ``state_dict()``
+    lays them out for distributed checkpoints (``sharded_scales.py``).
 
     Built as FSDP2 builds its CPU-offloaded shards (``_from_local_no_grad``), not with
     ``DTensor.from_local``: that one moves a host tensor to the mesh's device type, which
     would put offloaded state back on the GPU."""
-    if not isinstance(param, DTensor) or state.shape != local(param).shape:
+    if (
+        not isinstance(param, DTensor)
+        or name.endswith("_scales")
+        or state.shape != local(param).shape
+    ):
         return state
     return dtensor_around(state, param)
 
@@ -89,7 +96,9 @@ class StateMixin:
     def _format(self, p: Tensor):
         """The format of ``p``'s state: as created, or as it would be created now."""
         fmt = self._store.formats.get(p)
-        return fmt if fmt is not None else self._policy.format_for(local(p))
+        # A DTensor's numel is global: every rank of its mesh picks the same format (Muon
+        # batches, and so the collectives, are keyed on it), however small its own shard.
+        return fmt if fmt is not None else self._policy.format_for(p)
 
     def _plan_bytes(self, param: Tensor, hyper: Hyper) -> int:
         """State bytes for budgeting and for the resident budget, equal on every rank: a
@@ -115,6 +124,19 @@ class StateMixin:
         numel = param.numel()  # global: the same on every rank, as _plan_bytes
         mesh = param.device_mesh.size() if isinstance(param, DTensor) else 1
         return max(nbytes, -(-(nkeys * numel * 4) // mesh))
+
+    def _matrix_count(self, gi: int, shape: torch.Size) -> int:
+        """How many matrices of ``shape`` a parameter of group ``gi`` holds for its state (8-bit
+        Muon momentum counts blocks per matrix); 1 for element-wise groups."""
+        group = self.param_groups[gi]
+        if self.algorithms[group["algorithm"]].elementwise:
+            return 1
+        return matrix_count(shape, bool(group.get("flatten", False)))
+
+    def _check_quantizable(self, gi: int) -> None:
+        """8-bit state of DTensor parameters: Shard and Replicate placements only."""
+        if self.state_dtype == torch.int8:
+            check_placements(self.param_groups[gi]["params"], gi)
 
     def _new_state(self, p: Tensor, hyper: Hyper, streamed: bool) -> NewState:
         algorithm = self.algorithms[hyper.algorithm]

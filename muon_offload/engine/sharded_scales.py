@@ -1,0 +1,136 @@
+"""8-bit scales of DTensor (sharded) parameters at the checkpoint boundary.
+
+Each rank keeps the codes and scales of its own shard only, with its blocks counted over that
+shard as over a whole tensor: element-wise state from the shard's first element, Muon's
+momentum over each local matrix's elements, row-major (``state_format.Int8``). The codes are
+a DTensor laid out like the parameter. The scales cannot be: a rank's count of blocks follows
+its shard's size, and uneven shards give counts that no DTensor sharding of one scale vector
+describes. Inside the engine they are plain local tensors.
+
+``state_dict()`` hands them out *rank-major*: a DTensor of global shape
+``[n_0, ..., n_k-1, *padded]``, one leading dim for each mesh dim the parameter is sharded
+over (of that mesh dim's size), then this rank's scales zero-padded to the shape the largest
+shard needs (from global sizes, the same on every rank); ``Shard(j)`` on the j-th such mesh
+dim, ``Replicate`` on the others. Every rank owns exactly its own row, which
+``torch.distributed.checkpoint`` saves and loads like any sharded tensor, and
+``load_state_dict`` strips the leading dims and the padding again. A parameter sharded over
+no mesh dim (replicated) has the whole tensor's scales, unpadded.
+
+Where blocks fall depends on where shards begin, hence on the world size: an 8-bit checkpoint
+of sharded parameters loads on a mesh of the shape it was saved from. To move it elsewhere,
+load it into an optimizer with dense state there (it is dequantized), save that, and load the
+dense checkpoint anywhere (it is quantized on load).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..distributed import DTensor, dtensor_of, local
+
+try:
+    from torch.distributed.tensor import Replicate, Shard
+except ImportError:  # pragma: no cover: builds without torch.distributed
+    Replicate = Shard = ()
+
+
+def check_placements(params, index: int) -> None:
+    """8-bit state lays out scales for Shard and Replicate placements only (the max shard
+    of a strided or partial one is not computed here): refuse others at construction."""
+    for p in params:
+        if not isinstance(p, DTensor):
+            continue
+        odd = [pl for pl in p.placements if type(pl) is not Shard and type(pl) is not Replicate]
+        if odd:
+            raise ValueError(
+                f"param group {index} (parameter of shape {tuple(p.shape)}): state_dtype="
+                f"torch.int8 supports DTensor parameters placed with Shard and Replicate only, "
+                f"not {odd}; use torch.bfloat16 state"
+            )
+
+
+def _sharded_mesh_dims(p: DTensor) -> list[int]:
+    return [i for i, pl in enumerate(p.placements) if pl.is_shard()]
+
+
+def largest_shard_shape(p: DTensor) -> torch.Size:
+    """The shape of the largest local shard of ``p`` on any rank: torch chunks a dim of n over
+    m ranks into pieces of ceil(n / m), nested shards of one dim piece by piece."""
+    shape = list(p.shape)
+    for i, pl in enumerate(p.placements):
+        if pl.is_shard():
+            dim = pl.dim % p.ndim
+            shape[dim] = -(-shape[dim] // p.device_mesh.size(i))
+    return torch.Size(shape)
+
+
+def rank_major(scales: Tensor, p: DTensor, padded: torch.Size) -> DTensor:
+    """This rank's scales (local) as the rank-major DTensor described above. ``padded``: the
+    scales shape of the largest shard (``largest_shard_shape``), which holds every rank's."""
+    sharded = _sharded_mesh_dims(p)
+    mesh = p.device_mesh
+    if len(padded) == 2 and scales.ndim == 1:  # a stack's shard of one matrix, or of none
+        scales = scales.reshape(-1, padded[1])
+    if not sharded:
+        row = scales  # replicated: the whole tensor's scales, as they live
+    else:
+        row = scales.new_zeros((1,) * len(sharded) + tuple(padded))
+        row[(0,) * len(sharded) + tuple(slice(0, n) for n in scales.shape)] = scales
+    placements = [
+        Shard(sharded.index(i)) if i in sharded else Replicate() for i in range(mesh.ndim)
+    ]
+    shape = [mesh.size(i) for i in sharded] + list(row.shape[len(sharded) :])
+    return dtensor_of(row, mesh, placements, torch.Size(shape))
+
+
+def strip_rank_dims(scales: Tensor, where: str) -> Tensor:
+    """A loaded scales tensor as this rank's (padded) scales: a rank-major DTensor loses its
+    leading dims; a plain tensor is taken as it is."""
+    if not isinstance(scales, DTensor):
+        return scales
+    mine = local(scales)
+    shards = [pl for pl in scales.placements if pl.is_shard()]
+    lead = len(shards)
+    if any(pl.dim != j for j, pl in enumerate(shards)) or any(n != 1 for n in mine.shape[:lead]):
+        raise ValueError(
+            f"{where}: 8-bit scales of shape {tuple(scales.shape)} placed {scales.placements} "
+            "are not laid out rank-major (a leading dim for each sharded mesh dim, as "
+            "state_dict() gives them)"
+        )
+    return mine.reshape(mine.shape[lead:])
+
+
+def crop(scales: Tensor, shape: torch.Size, where: str) -> Tensor:
+    """This rank's scales out of a padded row: the first ``shape`` of each dim."""
+    if tuple(scales.shape) == tuple(shape):
+        return scales
+    if scales.ndim == 2 and len(shape) == 1 and scales.shape[1]:  # one matrix, or none
+        rows = shape[0] // scales.shape[1]
+        if rows * scales.shape[1] == shape[0] and rows <= scales.shape[0]:
+            return scales[:rows].reshape(shape)
+    if scales.ndim != len(shape) or any(a < b for a, b in zip(scales.shape, shape, strict=True)):
+        raise ValueError(
+            f"{where}: loaded 8-bit scales of shape {tuple(scales.shape)} cannot hold this "
+            f"rank's {tuple(shape)}: saved from another layout (a mesh of another shape?); "
+            "8-bit checkpoints of sharded parameters load at the world size they were saved at"
+        )
+    return scales[tuple(slice(0, n) for n in shape)]
+
+
+def lay_out(opt, state_dict: dict) -> dict:
+    """``state_dict`` with the scales of every 8-bit DTensor parameter made rank-major (each
+    entry a new dict: torch's ``state_dict()`` shares them with the live state)."""
+    state = state_dict["state"]
+    for i, (gi, p) in enumerate(opt._params()):
+        fmt = opt._store.formats.get(p)
+        if not isinstance(p, DTensor) or fmt is None or not fmt.quantized or i not in state:
+            continue
+        largest = largest_shard_shape(p)
+        padded = fmt.scales_shape(largest, opt._matrix_count(gi, largest))
+        entry = dict(state[i])
+        for name, value in entry.items():
+            if name.endswith("_scales"):
+                entry[name] = rank_major(local(value), p, padded)
+        state[i] = entry
+    return state_dict
