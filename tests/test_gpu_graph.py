@@ -6,6 +6,8 @@ optimizer without graphs and compares weights and state exactly.
 Run: ``python -m pytest -q -m cuda tests/test_gpu_graph.py -s`` (-s shows the graph pools'
 sizes)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -115,8 +117,8 @@ def test_load_state_dict_drops_the_graph():
 
     def between(opt, step):
         if step == 3:
-            if not saved:  # the first of the pair (graphed) saves; both load the same dict
-                saved["sd"] = opt.state_dict()
+            if not saved:  # the first of the pair (graphed) saves; both load the same copy
+                saved["sd"] = copy.deepcopy(opt.state_dict())
             opt.load_state_dict(saved["sd"])
 
     stats = _run_pair("muon", between=between, offload=True, chunk_bytes=1 << 20)

@@ -215,6 +215,8 @@ class StepGraphs:
         elif key is not None and last is not None and last[0] == key:
             if self._capture(key, layouts, body, scheduler):
                 return "capture"
+            self._eager(body)  # graphs are off now
+            return "eager"
         elif last is not None and key is not None and last[0] is not None:
             why_not = changed(key, last[0])
         if last is not None:  # a step ran before: this one could have replayed
@@ -260,10 +262,10 @@ class StepGraphs:
             with TABLES.holding() as tables:
                 graph.capture(body)
         except Exception as err:  # nothing ran: the step runs eagerly instead
-            scheduler.forget_events()
             self._give_up(f"the capture failed: {type(err).__name__}: {err}")
             return False
-        scheduler.forget_events()  # its events were recorded inside the capture
+        finally:
+            scheduler.forget_events()  # its events were recorded inside the capture
         self._graph, self._key, self._holds = graph, key, (layouts, tables)
         self.captures += 1  # misses stay: only a replay of an earlier capture clears them
         graph.replay()
