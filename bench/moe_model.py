@@ -33,8 +33,10 @@ QWEN3_30B_A3B = Dims(
     hidden=2048, q_rows=4096, kv_rows=512, experts=128, expert_ffn=768, vocab=151936
 )
 QWEN3_LAYERS = 48
-# Seconds on CPUs: small matrices, an odd vocabulary (uneven embedding shards).
-TINY = Dims(hidden=32, q_rows=64, kv_rows=16, experts=4, expert_ffn=24, vocab=101)
+# Seconds on CPUs: small matrices, an odd vocabulary (uneven embedding shards: 72 + 71 rows on
+# 2 ranks), whose 4,576-element embedding and head are the tensors large enough for 8-bit state
+# (4,096 elements); 72 x 32 = 9 blocks of 256, so 2 ranks' 8-bit blocks are one process's.
+TINY = Dims(hidden=32, q_rows=64, kv_rows=16, experts=4, expert_ffn=24, vocab=143)
 TINY_LAYERS = 2
 
 

@@ -78,7 +78,13 @@ from moe_model import (  # noqa: E402  # noqa: E402
     state_bytes,
 )
 from multi_gpu_modes import has_list_all_to_all, load_dion, run_modes  # noqa: E402
-from multi_gpu_parity import PARITY_CHUNK_BYTES, TINY_PARITY_CHUNK_BYTES, parity, parity_line  # noqa: E402  # noqa: E402
+from multi_gpu_parity import (  # noqa: E402
+    PARITY_CHUNK_BYTES,
+    STATE_DTYPES,
+    TINY_PARITY_CHUNK_BYTES,
+    parity,
+    parity_line,
+)
 from multi_gpu_ranks import barrier, everyone, init, keep_multicast_off  # noqa: E402
 
 MODES = (
@@ -288,6 +294,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help=f"default {PARITY_CHUNK_BYTES}; {TINY_PARITY_CHUNK_BYTES} tiny",
+    )
+    ap.add_argument(
+        "--parity-state-dtype",
+        choices=tuple(STATE_DTYPES),
+        default="fp32",
+        help="state of both parity runs (int8: 8-bit state of the sharded tensors)",
     )
     ap.add_argument("--seed", type=int, default=0, help="seeds parameters and gradients")
     ap.add_argument(

@@ -121,7 +121,7 @@ def run_modes(ctx, specs, params, dion, dion_note: str | None, results: dict, pr
                 opt, base = construct(make, ctx)
             except ValueError as err:
                 # The constructor's checks run before any collective and read only the groups,
-                # alike on every rank: 8-bit state on DTensor parameters is refused (so far).
+                # alike on every rank: a refusal (a setting this model cannot take) is recorded.
                 modes[name] = {"skipped": f"refused by the optimizer: {err}"}
                 ctx.write(results)
                 continue

@@ -24,6 +24,11 @@ from moe_model import PARITY_SEED, build_params, model_specs, param_groups, seed
 # lr 1% off shows as 1%. Expert stacks (whole local matrices) and AdamW tensors take the same
 # computation in both: whether they are bitwise equal is reported beside the tolerance.
 PARITY_REL_TOL = 2e-2
+# --parity-state-dtype: both runs keep this state. 8-bit state counts blocks over each rank's
+# shard: where shards start on block boundaries (Qwen3's 2048 columns; the tiny embedding on 2
+# ranks) both runs round the same blocks, and the bound above holds as for fp32; elsewhere the
+# blocks differ (docs/design.md, 8-bit state under FSDP2).
+STATE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "int8": torch.int8}
 TINY_PARITY_CHUNK_BYTES = 512
 # Small enough to cut a layer's state into dozens of chunks (each expert stack its own), large
 # enough that the 311 MB embedding shard is not thousands of 64-element segments.
@@ -54,15 +59,20 @@ def parity(ctx, progress) -> dict | None:
     params = build_params(specs, ctx.meshes, ctx.device, seed=seed)
     root = dist.get_rank() == 0
     start = full_copies(params, keep=root)
+    state_dtype = STATE_DTYPES[args.parity_state_dtype]
     opt = Muon(
         param_groups(params, specs, ctx.meshes["experts"], ADAMW_LR),
         distributed_mesh=ctx.meshes["dense"],
         lr=MUON_LR,
         offload=True,
         chunk_bytes=args.parity_chunk_bytes,
+        state_dtype=state_dtype,
     )
     reference = [torch.nn.Parameter(t.clone()) for t in start] if root else None
-    ref_opt = Muon(param_groups(reference, specs, None, ADAMW_LR), lr=MUON_LR) if root else None
+    ref_opt = None
+    if root:
+        groups = param_groups(reference, specs, None, ADAMW_LR)
+        ref_opt = Muon(groups, lr=MUON_LR, state_dtype=state_dtype)
     for k in range(args.parity_steps):
         set_grads(params, specs, seed, k)
         grads = full_copies([p.grad for p in params], keep=root)
@@ -81,6 +91,7 @@ def parity(ctx, progress) -> dict | None:
             steps=args.parity_steps,
             layers=args.parity_layers,
             chunk_bytes=args.parity_chunk_bytes,
+            state_dtype=args.parity_state_dtype,
             rel_tolerance=PARITY_REL_TOL,
         )
     return result
@@ -121,6 +132,7 @@ def parity_line(p: dict) -> str:
     verdict = "within" if p["within_tolerance"] else "OUTSIDE"
     return (
         f"parity, {p['steps']} offloaded steps ({p['layers']} layers, {p['chunk_bytes']} B "
-        f"chunks) vs one process: max abs diff {p['max_abs_diff']:.2e}; relative update "
-        f"diff {roles}; {verdict} {p['rel_tolerance']:.0e}"
+        f"chunks, {p.get('state_dtype', 'fp32')} state) vs one process: max abs diff "
+        f"{p['max_abs_diff']:.2e}; relative update diff {roles}; {verdict} "
+        f"{p['rel_tolerance']:.0e}"
     )
