@@ -332,3 +332,43 @@ def bad_input(rank, world, port):
     for key, value in clean_opt.state[clean[adamw_i]].items():
         assert torch.equal(_local(value), before[key])
     _finish()
+
+
+def move_world_size(rank, world, port, path, stage):
+    """An 8-bit checkpoint of sharded parameters to another world size, the documented way:
+    "save" (2 ranks): 8-bit state saved, then read into a dense optimizer and saved dense;
+    "load" (1 rank): the 8-bit checkpoint is refused by name, the dense one loads quantized."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    mesh = init(rank, world, port)
+    model, opt = _fsdp_model(mesh, torch.int8)
+    if stage == "save":
+        _train(model, opt, range(3))
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path + "-8bit")
+        dense_model, dense = _fsdp_model(mesh, torch.float32)
+        set_optimizer_state_dict(dense_model, dense, get_optimizer_state_dict(model, opt))
+        dcp.save({"optim": get_optimizer_state_dict(dense_model, dense)}, checkpoint_id=path)
+        _finish()
+    template_model, template = _fsdp_model(mesh, torch.float32)
+    try:
+        state = {"optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=path + "-8bit")
+    except BaseException as err:  # DCP's CheckpointException wraps the planner's ValueError
+        assert "Size mismatch" in str(err) and "momentum_scales" in str(err), err
+    else:
+        raise AssertionError("an 8-bit checkpoint of 2 ranks loaded on 1")
+    dense_sd = {"optim": get_optimizer_state_dict(template_model, template)}
+    dcp.load(dense_sd, checkpoint_id=path)
+    set_optimizer_state_dict(template_model, template, dense_sd["optim"])
+    set_optimizer_state_dict(model, opt, dense_sd["optim"])
+    int8 = Int8(quant_maps.QBLOCK)
+    for key, kind, a, b in _quantized(opt, template):
+        codes, scales = (_local(opt.state[a][f"{key}_{n}"]) for n in ("codes", "scales"))
+        want = int8.encode(_local(template.state[b][key]), kind, scales.shape)
+        assert torch.equal(codes, want[0]) and torch.equal(scales, want[1]), key
+    assert [g["step"] for g in opt.param_groups] == [3, 3]
+    _finish()

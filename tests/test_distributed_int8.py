@@ -19,3 +19,8 @@ def test_distributed_checkpoints_resume_bitwise_and_convert(tmp_path):
 
 def test_bad_input_and_refusals():
     _spawn(workers.bad_input, 2)
+
+
+def test_checkpoint_moves_to_another_world_size_through_dense_state(tmp_path):
+    _spawn(workers.move_world_size, 2, str(tmp_path / "ckpt"), "save")
+    _spawn(workers.move_world_size, 1, str(tmp_path / "ckpt"), "load")
