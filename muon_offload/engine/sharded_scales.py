@@ -105,10 +105,8 @@ def crop(scales: Tensor, shape: torch.Size, where: str) -> Tensor:
     """This rank's scales out of a padded row: the first ``shape`` of each dim."""
     if tuple(scales.shape) == tuple(shape):
         return scales
-    if scales.ndim == 2 and len(shape) == 1 and scales.shape[1]:  # one matrix, or none
-        rows = shape[0] // scales.shape[1]
-        if rows * scales.shape[1] == shape[0] and rows <= scales.shape[0]:
-            return scales[:rows].reshape(shape)
+    if scales.ndim == 2 and len(shape) == 1 and shape[0] in (0, scales.shape[1]):
+        return scales[: min(shape[0], 1)].reshape(shape)  # a stack's shard of one matrix, or none
     if scales.ndim != len(shape) or any(a < b for a, b in zip(scales.shape, shape, strict=True)):
         raise ValueError(
             f"{where}: loaded 8-bit scales of shape {tuple(scales.shape)} cannot hold this "
