@@ -302,6 +302,23 @@ def world_of_one(rank, world, port):
     _finish()
 
 
+def load_checkpoint(model, opt, path) -> None:
+    """Load a torch.distributed.checkpoint of ``{"model", "optim"}`` into ``model`` and
+    ``opt``, through the state-dict API (as a training script resumes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
 def dcp_resume(rank, world, port, path):
     """Save through torch.distributed.checkpoint at step 3 with FSDP2 parameters, load into a
     fresh model and optimizer (other chunk size), continue: bitwise the uninterrupted run."""
@@ -309,8 +326,6 @@ def dcp_resume(rank, world, port, path):
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
     )
     from torch.distributed.fsdp import fully_shard
 
@@ -345,13 +360,7 @@ def dcp_resume(rank, world, port, path):
         checkpoint_id=path,
     )
     resumed, resumed_opt = make(1 << 20)
-    state = {
-        "model": get_model_state_dict(resumed),
-        "optim": get_optimizer_state_dict(resumed, resumed_opt),
-    }
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(resumed, state["model"])
-    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    load_checkpoint(resumed, resumed_opt, path)
     assert [g["step"] for g in resumed_opt.param_groups] == [3, 3]
     train(resumed, resumed_opt, range(3, 5))
     for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):

@@ -15,7 +15,7 @@ from muon_offload import Muon
 from muon_offload.engine.sharded_scales import rank_major
 from muon_offload.engine.state_format import Int8
 
-from dist_workers import DEVICE, DEVICE_TYPE, _finish, _local, full_tensors, init
+from dist_workers import DEVICE, DEVICE_TYPE, _finish, _local, full_tensors, init, load_checkpoint
 
 # Shard boundaries on block boundaries for 1, 2 and 3 ranks: 256 columns (any row cut is a
 # block boundary), 12 x 512; a stack sharded along its batch (whole matrices; 3 ranks: 2, 2, 0).
@@ -198,7 +198,6 @@ def checkpoints(rank, world, port, path):
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
-        set_model_state_dict,
         set_optimizer_state_dict,
     )
 
@@ -215,13 +214,7 @@ def checkpoints(rank, world, port, path):
                 assert value.shape[0] == world and value.to_local().shape[0] == 1, fqn
     dcp.save({"model": get_model_state_dict(first), "optim": saved}, checkpoint_id=path)
     resumed, resumed_opt = _fsdp_model(mesh, torch.int8, chunk_bytes=1 << 20)
-    state = {
-        "model": get_model_state_dict(resumed),
-        "optim": get_optimizer_state_dict(resumed, resumed_opt),
-    }
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(resumed, state["model"])
-    set_optimizer_state_dict(resumed, resumed_opt, state["optim"])
+    load_checkpoint(resumed, resumed_opt, path)
     _same(first, first_opt, resumed, resumed_opt)
     _train(resumed, resumed_opt, range(3, 5))
     _same(straight, straight_opt, resumed, resumed_opt)
