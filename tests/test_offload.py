@@ -248,3 +248,18 @@ def test_oversized_matrix_is_logged_once(caplog):
             opt.step()
     notes = [r for r in caplog.records if "more state than chunk_bytes" in r.getMessage()]
     assert len(notes) == 1 and "(64, 64)" in notes[0].getMessage()
+
+
+def test_oversized_matrices_share_one_notice(caplog):
+    """A dense model has dozens of matrices over a small budget: one notice a plan names them
+    by shape and count, not one notice a matrix."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 64), (64, 64), (80, 64))]
+    opt = Muon(params, offload=True, chunk_bytes=1024)
+    with caplog.at_level("WARNING", logger="muon_offload.engine"):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    notes = [r.getMessage() for r in caplog.records if "more state than chunk" in r.getMessage()]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith("3 parameters") and "(64, 64) x 2" in notes[0]
+    assert "(80, 64) x 1" in notes[0]

@@ -16,6 +16,7 @@ say how a group reads (``_read_hyper``).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 
@@ -208,16 +209,16 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             for i, (gi, p) in enumerate(work)
         ]
         plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
-        for i in plan.oversized:
-            gi, p = work[i]
-            if p not in self._oversized_logged:
-                self._oversized_logged.add(p)
-                log.warning(
-                    "param group %d: a parameter of shape %s has more state than chunk_bytes=%d"
-                    " (Muon state counts at fp32 width at least); it is streamed as a chunk of"
-                    " its own",
-                    *(gi, tuple(p.shape), self.chunk_bytes),
-                )
+        new = [work[i] for i in plan.oversized if work[i][1] not in self._oversized_logged]
+        if new:  # one notice a plan, not one a matrix (a dense model has dozens)
+            self._oversized_logged.update(p for _, p in new)
+            shapes = Counter((gi, tuple(p.shape)) for gi, p in new)
+            which = ", ".join(f"param group {g}: {s} x {n}" for (g, s), n in shapes.items())
+            log.warning(
+                "%d parameters have more state than chunk_bytes=%d (Muon state counts at fp32"
+                " width at least); each is streamed as a chunk of its own: %s",
+                *(len(new), self.chunk_bytes, which),
+            )
         transfers = [
             None
             if chunk.resident
