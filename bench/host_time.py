@@ -1,7 +1,7 @@
 """Host (Python) time of ``step()`` on the CPU: wall time per step, and where it goes.
 
     python bench/host_time.py [--steps 50] [--layers 48] [--scale 64] [--only demo|qwen3]
-                              [--json out.json]
+                              [--kernels torch|stub|both|replay] [--json out.json]
 
 On a GPU a step's kernels run asynchronously, so what the host spends issuing them is the
 step's Python: checking groups, planning, building each unit's job, and one torch call per
@@ -19,6 +19,11 @@ step, whose torch calls do the arithmetic) and with the update functions of
 ``engine/dispatch.py`` stubbed out (``stub``: each returns an output of the right shape and
 computes nothing), which leaves the engine's own host time: checks, state, plans, jobs,
 views. On a GPU the kernels' launches come on top of the stubbed figure.
+
+``--kernels replay`` times what a replayed step (``cuda_graph=True``) still runs on the host:
+the Triton path's step (``backend="triton"``, kernels stubbed) with a stand-in graph that
+captures and replays nothing, so a timed step is the checks, the state and plan lookups, the
+scalar table's fill and the graph's key, without the launches the replay saves.
 
 For each case it prints the median wall time of a step (no profiler), the aten ops a step
 issues (each one a kernel launch or a view on a GPU), and a cProfile breakdown by phase,
@@ -56,7 +61,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from muon_offload import Muon  # noqa: E402
-from muon_offload.engine import dispatch, settings  # noqa: E402
+from muon_offload.engine import dispatch, graphs, settings  # noqa: E402
 from muon_offload.tools import demo  # noqa: E402
 from muon_offload.tools.bench.modes import build  # noqa: E402
 from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank  # noqa: E402
@@ -74,6 +79,8 @@ PHASES = (
     ("  muon update", "muon_offload/muon.py", "update"),
     ("  element-wise update", "muon_offload/elementwise.py", "update"),
     ("    orthogonalize", "engine/dispatch.py", "orthogonalize_batch"),
+    ("scalar table fill", "engine/scalars.py", "write"),
+    ("graph key", "engine/graphs.py", "step_key"),
 )
 
 
@@ -195,6 +202,7 @@ def report(r: dict) -> None:
 
 
 def demo_cases():
+    """(name, make optimizer(backend)) on the CPU."""
     torch.manual_seed(0)
     vocab, dim, layers, heads, seq, batch = 64, 64, 2, 4, 32, 16
     model = demo.TinyGPT(vocab, dim, layers, heads, seq)
@@ -204,20 +212,19 @@ def demo_cases():
         logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)
     ).backward()
     n = sum(p.numel() for p in model.parameters())
-    yield f"demo ({n:,} params) resident", Muon(demo.param_groups(model), lr=0.02, backend="torch")
-    yield (
-        "demo offload, 256 KiB chunks",
-        Muon(
-            demo.param_groups(model), lr=0.02, offload=True, chunk_bytes=256 << 10, backend="torch"
-        ),
-    )
-    yield (
-        "demo offload, default chunks",
-        Muon(demo.param_groups(model), lr=0.02, offload=True, backend="torch"),
-    )
+    for name, kw in (
+        (f"demo ({n:,} params) resident", {}),
+        ("demo offload, 256 KiB chunks", dict(offload=True, chunk_bytes=256 << 10)),
+        ("demo offload, default chunks", dict(offload=True)),
+    ):
+        yield (
+            name,
+            lambda backend, kw=kw: Muon(demo.param_groups(model), lr=0.02, backend=backend, **kw),
+        )
 
 
 def qwen3_cases(layers: int, scale: int):
+    """(name, make optimizer(backend)) on the CPU."""
     specs = [
         ParamSpec(s.name, tuple(max(1, d // scale) for d in s.shape), s.algorithm)
         for s in qwen3_30b_a3b_ep8_rank(layers)
@@ -227,21 +234,48 @@ def qwen3_cases(layers: int, scale: int):
     chunk = settings.DEFAULT_CHUNK_BYTES // budget
     resident_chunk = settings.DEFAULT_RESIDENT_CHUNK_BYTES // budget
     what = f"qwen3 {layers} layers / {scale} ({len(specs)} tensors)"
-    yield (
-        f"{what} resident",
-        Muon(groups, lr=0.01, resident_chunk_bytes=resident_chunk, backend="torch"),
-    )
-    yield (
-        f"{what} offload",
-        Muon(
-            groups,
-            lr=0.01,
-            offload=True,
-            chunk_bytes=chunk,
-            resident_chunk_bytes=resident_chunk,
-            backend="torch",
-        ),
-    )
+    for name, kw in (("resident", {}), ("offload", dict(offload=True, chunk_bytes=chunk))):
+        yield (
+            f"{what} {name}",
+            lambda backend, kw=kw: Muon(
+                groups, lr=0.01, resident_chunk_bytes=resident_chunk, backend=backend, **kw
+            ),
+        )
+
+
+class _NoGraph:
+    """A stand-in for a CUDA graph that captures and replays nothing: a replayed step's host
+    time is then all that is timed (checks, state and plan lookups, the scalar table, the
+    graph's key), without the launches a replay saves."""
+
+    pool_bytes = 0
+
+    def capture(self, body) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def replayed(opt):
+    """``opt`` (Triton backend, kernels stubbed) as with ``cuda_graph=True``, its graph a
+    ``_NoGraph``: the CPU stands in for the GPU (the device check is the one thing bypassed)."""
+    saved = graphs.check_device
+    graphs.check_device = lambda cuda_graph, device: None
+    opt.cuda_graph = True
+    opt._graphs = graphs.StepGraphs(torch.device("cpu"), _NoGraph)
+    try:
+        with stubbed_kernels():
+            yield
+        stats = opt.graph_stats()
+        if stats["off"] or not stats["replays"]:
+            raise RuntimeError(f"the timed steps did not replay: {stats}")
+    finally:
+        graphs.check_device = saved
 
 
 def gpu_cases(only: str | None, layers: int, scale: int):
@@ -346,7 +380,7 @@ def main() -> int:
     ap.add_argument("--scale", type=int, default=None, help="divide every dimension by this")
     ap.add_argument("--gpu", action="store_true", help="time the real step on a GPU (above)")
     ap.add_argument("--only", choices=("demo", "qwen3"), default=None)
-    ap.add_argument("--kernels", choices=("torch", "stub", "both"), default="both")
+    ap.add_argument("--kernels", choices=("torch", "stub", "both", "replay"), default="both")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if args.gpu:
@@ -365,8 +399,14 @@ def main() -> int:
     results = []
     modes = ("stub", "torch") if args.kernels == "both" else (args.kernels,)
     for mode in modes:
-        for name, opt in cases:
-            with stubbed_kernels() if mode == "stub" else contextlib.nullcontext():
+        for name, make in cases:
+            if mode == "replay":  # the Triton path's scalar table, no launches
+                opt = make("triton")
+                context = replayed(opt)
+            else:
+                opt = make("torch")
+                context = stubbed_kernels() if mode == "stub" else contextlib.nullcontext()
+            with context:
                 r = measure(f"{name} [{mode}]", opt, args.steps)
             r["kernels"] = mode
             report(r)
