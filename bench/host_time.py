@@ -61,10 +61,12 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from muon_offload import Muon  # noqa: E402
-from muon_offload.engine import dispatch, graphs, settings  # noqa: E402
+from muon_offload.engine import settings  # noqa: E402
 from muon_offload.tools import demo  # noqa: E402
 from muon_offload.tools.bench.modes import build  # noqa: E402
 from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank  # noqa: E402
+
+from host_time_stubs import replayed, stubbed_kernels  # noqa: E402
 
 # Phases, as the functions that run them (module file suffix, function name). A function
 # that is not found (renamed) simply reads 0. "run" includes "jobs" and "update".
@@ -92,39 +94,6 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def stubbed_kernels():
-    """The update functions of ``engine/dispatch.py`` replaced by ones that compute nothing:
-    what is left of a step is the engine's host time."""
-
-    def prep(backend, momentums, grads, *args, **kwargs):
-        m = momentums[0]
-        update = torch.empty((len(momentums), *m.shape), dtype=torch.bfloat16, device=m.device)
-        return update, torch.empty(len(momentums), dtype=torch.float32, device=m.device)
-
-    def nothing(*args, **kwargs):
-        return None
-
-    stubs = {
-        "adamw_": nothing,
-        "lion_": nothing,
-        "adamw8_": nothing,
-        "lion8_": nothing,
-        "muon_apply_": nothing,
-        "muon_prep": prep,
-        "muon_prep8": lambda backend, codes, scales, grads, **kw: prep(backend, codes, grads),
-        "orthogonalize_batch": lambda update, sumsq, **kwargs: update,
-    }
-    saved = {name: getattr(dispatch, name) for name in stubs}
-    for name, fn in stubs.items():
-        setattr(dispatch, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dispatch, name, fn)
 
 
 def _torch_builtin(key) -> bool:
@@ -201,17 +170,29 @@ def report(r: dict) -> None:
         print(f"    {t['ms']:7.3f} {t['calls']:8.0f}  {t['function'][:90]}")
 
 
-def demo_cases():
-    """(name, make optimizer(backend)) on the CPU."""
+def _demo_model(device):
+    """The demo's TinyGPT with one step's gradients, and its parameter count."""
     torch.manual_seed(0)
     vocab, dim, layers, heads, seq, batch = 64, 64, 2, 4, 32, 16
-    model = demo.TinyGPT(vocab, dim, layers, heads, seq)
-    tokens = next(demo.markov_batches(vocab, seq, batch, seed=1))
+    model = demo.TinyGPT(vocab, dim, layers, heads, seq).to(device)
+    tokens = next(demo.markov_batches(vocab, seq, batch, seed=1)).to(device)
     logits = model(tokens[:, :-1])
     torch.nn.functional.cross_entropy(
         logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)
     ).backward()
-    n = sum(p.numel() for p in model.parameters())
+    return model, sum(p.numel() for p in model.parameters())
+
+
+def _qwen3_specs(layers: int, scale: int) -> list[ParamSpec]:
+    return [
+        ParamSpec(s.name, tuple(max(1, d // scale) for d in s.shape), s.algorithm)
+        for s in qwen3_30b_a3b_ep8_rank(layers)
+    ]
+
+
+def demo_cases():
+    """(name, make optimizer(backend)) on the CPU."""
+    model, n = _demo_model("cpu")
     for name, kw in (
         (f"demo ({n:,} params) resident", {}),
         ("demo offload, 256 KiB chunks", dict(offload=True, chunk_bytes=256 << 10)),
@@ -225,10 +206,7 @@ def demo_cases():
 
 def qwen3_cases(layers: int, scale: int):
     """(name, make optimizer(backend)) on the CPU."""
-    specs = [
-        ParamSpec(s.name, tuple(max(1, d // scale) for d in s.shape), s.algorithm)
-        for s in qwen3_30b_a3b_ep8_rank(layers)
-    ]
+    specs = _qwen3_specs(layers, scale)
     groups, _, _ = build(specs, torch.device("cpu"))
     budget = scale * scale
     chunk = settings.DEFAULT_CHUNK_BYTES // budget
@@ -243,54 +221,11 @@ def qwen3_cases(layers: int, scale: int):
         )
 
 
-class _NoGraph:
-    """A stand-in for a CUDA graph that captures and replays nothing: a replayed step's host
-    time is then all that is timed (checks, state and plan lookups, the scalar table, the
-    graph's key), without the launches a replay saves."""
-
-    pool_bytes = 0
-
-    def capture(self, body) -> None:
-        pass
-
-    def replay(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def replayed(opt):
-    """``opt`` (Triton backend, kernels stubbed) as with ``cuda_graph=True``, its graph a
-    ``_NoGraph``: the CPU stands in for the GPU (the device check is the one thing bypassed)."""
-    saved = graphs.check_device
-    graphs.check_device = lambda cuda_graph, device: None
-    opt.cuda_graph = True
-    opt._graphs = graphs.StepGraphs(torch.device("cpu"), _NoGraph)
-    try:
-        with stubbed_kernels():
-            yield
-        stats = opt.graph_stats()
-        if stats["off"] or not stats["replays"]:
-            raise RuntimeError(f"the timed steps did not replay: {stats}")
-    finally:
-        graphs.check_device = saved
-
-
 def gpu_cases(only: str | None, layers: int, scale: int):
     """(name, make optimizer(cuda_graph)) on the GPU, gradients in place."""
     device = torch.device("cuda")
     if only in (None, "demo"):
-        torch.manual_seed(0)
-        vocab, dim, heads, seq, batch = 64, 64, 4, 32, 16
-        model = demo.TinyGPT(vocab, dim, 2, heads, seq).to(device)
-        tokens = next(demo.markov_batches(vocab, seq, batch, seed=1)).to(device)
-        logits = model(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)
-        )
-        loss.backward()
+        model, _ = _demo_model(device)
         for name, kw in (("resident", {}), ("offload 256 KiB", dict(chunk_bytes=256 << 10))):
             offload = bool(kw)
             yield (
@@ -300,11 +235,7 @@ def gpu_cases(only: str | None, layers: int, scale: int):
                 ),
             )
     if only in (None, "qwen3"):
-        specs = [
-            ParamSpec(s.name, tuple(max(1, d // scale) for d in s.shape), s.algorithm)
-            for s in qwen3_30b_a3b_ep8_rank(layers)
-        ]
-        groups, _, _ = build(specs, device)
+        groups, _, _ = build(_qwen3_specs(layers, scale), device)
         what = f"qwen3 {layers} layers" + (f" / {scale}" if scale > 1 else "")
         for name, offload in (("resident", False), ("offload", True)):
             yield (

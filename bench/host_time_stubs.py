@@ -1,0 +1,79 @@
+"""Stand-ins for ``host_time.py``: the kernels stubbed out (an update computes nothing) and a
+CUDA graph that captures and replays nothing, so that what is timed on the CPU is the engine's
+own host time."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from muon_offload.engine import dispatch, graphs
+
+
+@contextlib.contextmanager
+def stubbed_kernels():
+    """The update functions of ``engine/dispatch.py`` replaced by ones that compute nothing:
+    what is left of a step is the engine's host time."""
+
+    def prep(backend, momentums, grads, *args, **kwargs):
+        m = momentums[0]
+        update = torch.empty((len(momentums), *m.shape), dtype=torch.bfloat16, device=m.device)
+        return update, torch.empty(len(momentums), dtype=torch.float32, device=m.device)
+
+    def nothing(*args, **kwargs):
+        return None
+
+    stubs = {
+        "adamw_": nothing,
+        "lion_": nothing,
+        "adamw8_": nothing,
+        "lion8_": nothing,
+        "muon_apply_": nothing,
+        "muon_prep": prep,
+        "muon_prep8": lambda backend, codes, scales, grads, **kw: prep(backend, codes, grads),
+        "orthogonalize_batch": lambda update, sumsq, **kwargs: update,
+    }
+    saved = {name: getattr(dispatch, name) for name in stubs}
+    for name, fn in stubs.items():
+        setattr(dispatch, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dispatch, name, fn)
+
+
+class _NoGraph:
+    """A stand-in for a CUDA graph that captures and replays nothing: a replayed step's host
+    time is then all that is timed (checks, state and plan lookups, the scalar table, the
+    graph's key), without the launches a replay saves."""
+
+    pool_bytes = 0
+
+    def capture(self, body) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def replayed(opt):
+    """``opt`` (Triton backend, kernels stubbed) as with ``cuda_graph=True``, its graph a
+    ``_NoGraph``: the CPU stands in for the GPU (the device check is the one thing bypassed)."""
+    saved = graphs.check_device
+    graphs.check_device = lambda cuda_graph, device: None
+    opt.cuda_graph = True
+    opt._graphs = graphs.StepGraphs(torch.device("cpu"), _NoGraph)
+    try:
+        with stubbed_kernels():
+            yield
+        stats = opt.graph_stats()
+        if stats["off"] or not stats["replays"]:
+            raise RuntimeError(f"the timed steps did not replay: {stats}")
+    finally:
+        graphs.check_device = saved
