@@ -4,6 +4,7 @@ is touched, so a bad input raises with the optimizer exactly as it was."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
@@ -203,10 +204,32 @@ def check_state_fits(group_index: int, param: Tensor, state: dict) -> None:
             )
 
 
-def step_work(param_groups: list[dict]) -> tuple[list[tuple[int, Tensor]], torch.device | None]:
+class StepWork(list):
+    """``step_work``'s (group index, parameter) pairs, and what its checks read of them, one
+    C-level pass each: the parameters, their gradients, shapes and dtypes, the gradients'
+    dtypes. The plan's key and the graph's key (``graphs.step_key``) reuse these reads, made
+    in the same step before anything is touched; ``read()`` makes them where the checks did
+    not (DTensor parameters, a check that fails)."""
+
+    params: tuple[Tensor, ...]
+    grads: tuple[Tensor, ...]
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    grad_dtypes: tuple[torch.dtype, ...]
+
+    def read(self, grads: Sequence[Tensor] | None = None) -> StepWork:
+        self.params = tuple(p for _, p in self)
+        self.grads = tuple(map(_grad, self.params) if grads is None else grads)
+        self.shapes = tuple(map(_shape, self.params))
+        self.dtypes = tuple(map(_dtype, self.params))
+        self.grad_dtypes = tuple(map(_dtype, self.grads))
+        return self
+
+
+def step_work(param_groups: list[dict]) -> tuple[StepWork, torch.device | None]:
     """The (group index, parameter) pairs that have a gradient this step, checked, and the
     one device they are on (None when no parameter has a gradient)."""
-    work: list[tuple[int, Tensor]] = []
+    work = StepWork()
     grads: list[Tensor] = []
     for gi, group in enumerate(param_groups):
         params = group["params"]
@@ -220,7 +243,7 @@ def step_work(param_groups: list[dict]) -> tuple[list[tuple[int, Tensor]], torch
                 work.append((gi, p))
                 grads.append(g)
     if not work:
-        return work, None
+        return work.read(grads), None
     device = _checked_at_once(work, grads)
     if device is not None:
         return work, device
@@ -243,18 +266,20 @@ def step_work(param_groups: list[dict]) -> tuple[list[tuple[int, Tensor]], torch
     return work, devices.pop()
 
 
-_grad, _dtype = attrgetter("grad"), attrgetter("dtype")
+_grad, _dtype, _shape = attrgetter("grad"), attrgetter("dtype"), attrgetter("shape")
 _layout, _device = attrgetter("layout"), attrgetter("device")
 _NONE_TYPE = type(None)
 _PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
 
 
-def _checked_at_once(work: list[tuple[int, Tensor]], grads: list[Tensor]) -> torch.device | None:
+def _checked_at_once(work: StepWork, grads: list[Tensor]) -> torch.device | None:
     """``step_work``'s checks for all parameters at once, each a C-level pass (a per-parameter
     loop of Python costs milliseconds a step on a large model): the one device when every check
     passes, None when one may fail or a parameter or gradient is not a plain tensor (DTensor),
-    and then the per-parameter checks run and raise the precise error."""
-    params = [p for _, p in work]
+    and then the per-parameter checks run and raise the precise error. What it reads is kept
+    in ``work`` (``StepWork.read``)."""
+    work.read(grads)
+    params, grads = work.params, work.grads
     if not _PLAIN_TYPES.issuperset(map(type, params)) or not _PLAIN_TYPES.issuperset(
         map(type, grads)
     ):
@@ -262,11 +287,11 @@ def _checked_at_once(work: list[tuple[int, Tensor]], grads: list[Tensor]) -> tor
     if set(map(_layout, grads)) != {torch.strided}:  # sparse gradients
         return None
     # Floating (never complex) gradients; parameters of a dtype the kernels serve.
-    if not all(d.is_floating_point for d in set(map(_dtype, grads))):
+    if not all(d.is_floating_point for d in set(work.grad_dtypes)):
         return None
-    if not set(map(_dtype, params)) <= _PARAM_DTYPE_SET:
+    if not _PARAM_DTYPE_SET.issuperset(work.dtypes):
         return None
-    if list(map(Tensor.size, grads)) != list(map(Tensor.size, params)):
+    if tuple(map(_shape, grads)) != work.shapes:
         return None
     devices = set(map(_device, params))
     devices.update(map(_device, grads))

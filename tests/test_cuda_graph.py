@@ -260,6 +260,8 @@ def test_key_names_what_changed(monkeypatch):
     _, _, layouts = opt._plan(work, hypers)
 
     def key():
+        # A step's key reads what that step's checks read (StepWork): check afresh.
+        _, work, _ = opt._check_step()
         k, why = graphs.step_key(
             work, layouts, hypers, opt.state, opt.algorithms, (), opt._scalars.buffer, "triton"
         )

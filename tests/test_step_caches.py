@@ -4,6 +4,8 @@ of the optimizer that has run before equals, bit for bit, the step of a fresh co
 no cache (``copy.deepcopy`` builds its state, plans and staging from scratch)."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -194,3 +196,17 @@ def test_int8_state():
         _grads(params, 7)
 
     _run(True, change, state_dtype=torch.int8)
+
+
+@OFFLOAD
+def test_cached_plan_holds_no_gradient(offload):
+    """The step's checks keep what they read (``StepWork``) for the keys; the plan cache must
+    not keep the gradients of the step that planned alive after ``zero_grad()``."""
+    params = _params()
+    opt = _muon(params, offload)
+    _grads(params, 0)
+    opt.step()
+    grads = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad()
+    gc.collect()
+    assert all(g() is None for g in grads)

@@ -28,20 +28,20 @@ the graph's private memory pool (``pool_bytes``: about one step's peak of tempor
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from operator import attrgetter
+from collections.abc import Callable
+from itertools import chain
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..distributed import DTensor
+from ..hyper import StepWork
 from ..kernels._launch import TABLES
 
 log = logging.getLogger(__name__)
 
 MAX_MISSES = 4  # steps in a row that could not replay before graphs are given up
-_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
 class GraphKey(NamedTuple):
@@ -66,28 +66,25 @@ WHAT = {
 }
 
 
-def _addresses(tensors: Sequence[Tensor]) -> tuple:
-    return (
-        tuple(map(Tensor.data_ptr, tensors)),
-        tuple(map(_shape, tensors)),
-        tuple(map(_dtype, tensors)),
-    )
-
-
 def step_key(
     work, layouts, hypers, state: dict, algorithms: dict, staging, table: Tensor, backend: str
 ) -> tuple[GraphKey | None, str]:
-    """This step's key, or None and why the step cannot be captured."""
-    params = [p for _, p in work]
-    grads = [p.grad for p in params]
+    """This step's key, or None and why the step cannot be captured. ``work``: the step's
+    ``StepWork``, whose parameters, gradients, shapes and dtypes were read by its checks (the
+    gradients' shapes are the parameters', or the checks would have raised)."""
+    if not isinstance(work, StepWork):
+        work = StepWork(work).read()
+    params, grads = work.params, work.grads
     if not all(map(Tensor.is_contiguous, grads)):
         return None, "a gradient is not contiguous (the step copies it afresh each time)"
     baked = (backend,) + tuple((h.algorithm, algorithms[h.algorithm].baked(h)) for h in hypers)
+    # Every state tensor, parameter by parameter, key by key: C-level passes, no Python loop.
+    tensors = chain.from_iterable(map(dict.values, map(state.__getitem__, params)))
     key = GraphKey(
         plan=id(layouts),
-        params=_addresses(params),
-        grads=_addresses(grads),
-        state=tuple(t.data_ptr() for p in params for t in state[p].values()),
+        params=(tuple(map(Tensor.data_ptr, params)), work.shapes, work.dtypes),
+        grads=(tuple(map(Tensor.data_ptr, grads)), work.shapes, work.grad_dtypes),
+        state=tuple(map(Tensor.data_ptr, tensors)),
         staging=tuple(map(Tensor.data_ptr, staging)),
         table=(table.data_ptr(), table.numel()),
         baked=baked,

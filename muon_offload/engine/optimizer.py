@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from operator import attrgetter
+from operator import itemgetter
 
 import torch
 from torch import Tensor
@@ -32,7 +32,7 @@ from ..distributed import (
     placement_of,
     resolve_mesh,
 )
-from ..hyper import Hyper, check_param_dtypes, check_state_fits, step_work
+from ..hyper import Hyper, StepWork, check_param_dtypes, check_state_fits, step_work
 from ..rank_agreement import StepAgreements
 from . import graphs
 from .algorithm import Algorithm
@@ -51,7 +51,6 @@ from .state_format import StatePolicy
 log = logging.getLogger(__name__)
 
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
-_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
 class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Optimizer):
@@ -184,17 +183,16 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
 
     # --------------------------------------------------------------- planning
 
-    def _plan(self, work: list[tuple[int, Tensor]], hypers: Sequence[Hyper]):
+    def _plan(self, work: StepWork, hypers: Sequence[Hyper]):
         """The plan, the chunks' transfers and layouts for this step's work: cached while the
         work (its parameters, their groups, shapes and dtypes), the groups' algorithms and
         layouts and the budgets stay the same, and while state is neither created nor loaded
         (which clear the cache)."""
-        groups, params = zip(*work, strict=True)
         key = (
-            groups,
-            tuple(map(id, params)),  # the plan holds ``work``: an id is not reused meanwhile
-            tuple(map(_shape, params)),
-            tuple(map(_dtype, params)),
+            tuple(map(itemgetter(0), work)),  # groups
+            tuple(map(id, work.params)),  # the plan holds ``work``: an id is not reused meanwhile
+            work.shapes,  # read by the step's checks (``StepWork``)
+            work.dtypes,
             tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
             self.chunk_bytes,
             self.resident_chunk_bytes,
@@ -231,7 +229,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             )
             for chunk in plan.chunks
         ]
-        self._plans[key] = (plan, transfers, layouts, work)
+        self._plans[key] = (plan, transfers, layouts, list(work))  # not the step's grads
         return plan, transfers, layouts
 
     def _chunk_state(self, chunk, work) -> list[Tensor]:
@@ -239,7 +237,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
 
     # ------------------------------------------------------------------- step
 
-    def _check_step(self) -> tuple[list[Hyper], list[tuple[int, Tensor]], torch.device | None]:
+    def _check_step(self) -> tuple[list[Hyper], StepWork, torch.device | None]:
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
         work, device = step_work(self.param_groups)
         if device is not None and self.offload and device.type != "cuda":
