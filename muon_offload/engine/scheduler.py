@@ -108,11 +108,11 @@ class StreamScheduler:
         self.cuda = self.device.type == "cuda"
         self._staging: list[Tensor] = []
         self._staging_bytes = 0
-        # Each streamed chunk's views into its staging slot, for the ``transfers`` of the last
-        # ``run`` (the optimizer passes the same list while its plan holds): rebuilt when the
-        # transfers or the staging buffers change.
+        # Each streamed chunk's views and run slices of its staging slot, for the
+        # ``transfers`` of the last ``run`` (the optimizer passes the same list while its plan
+        # holds): rebuilt when the transfers or the staging buffers change.
         self._views_for: Sequence[Transfer | None] | None = None
-        self._view_cache: dict[int, tuple[Tensor, ...]] = {}
+        self._view_cache: dict[int, tuple[tuple[Tensor, ...], tuple]] = {}
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
@@ -171,15 +171,27 @@ class StreamScheduler:
             self._stored_once = [False] * self.ring
 
     def _views(self, chunk: int, slot: int, transfer: Transfer) -> tuple[Tensor, ...]:
-        views = self._view_cache.get(chunk)
-        if views is None:
+        return self._staged(chunk, slot, transfer)[0]
+
+    def _copies(self, chunk: int, slot: int, transfer: Transfer) -> tuple[tuple[Tensor, Tensor]]:
+        """(host bytes, staging bytes) of each run of the chunk: what its load and store copy."""
+        return self._staged(chunk, slot, transfer)[1]
+
+    def _staged(self, chunk: int, slot: int, transfer: Transfer):
+        """The chunk's tensor views and run slices in its staging slot, made once per
+        ``transfers`` and staging ring (slicing costs microseconds a call, chunks a step)."""
+        staged = self._view_cache.get(chunk)
+        if staged is None:
             buf = self._staging[slot]
             views = tuple(
                 buf[off : off + shape.numel() * dtype.itemsize].view(dtype).view(shape)
                 for off, shape, dtype in transfer.views
             )
-            self._view_cache[chunk] = views
-        return views
+            runs = tuple(
+                (run.host, buf[run.offset : run.offset + run.host.numel()]) for run in transfer.runs
+            )
+            staged = self._view_cache[chunk] = (views, runs)
+        return staged
 
     def run(
         self,
@@ -200,16 +212,17 @@ class StreamScheduler:
                     update(i, None)
                     continue
                 slot = slot_of[i]
+                copies = self._copies(i, slot, transfer)
                 marks = self._mark(i, "load", None)
-                for run in transfer.runs:
-                    self._staging[slot][run.offset : run.offset + run.host.numel()].copy_(run.host)
+                for host, staged in copies:
+                    staged.copy_(host)
                 self._end_mark(marks, None)
                 marks = self._mark(i, "update", None)
                 update(i, self._views(i, slot, transfer))
                 self._end_mark(marks, None)
                 marks = self._mark(i, "store", None)
-                for run in transfer.runs:
-                    run.host.copy_(self._staging[slot][run.offset : run.offset + run.host.numel()])
+                for host, staged in copies:
+                    host.copy_(staged)
                 self._end_mark(marks, None)
             return
 
@@ -249,11 +262,8 @@ class StreamScheduler:
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(self._updated[slot])
                 marks = self._mark(i, "store", self.d2h_stream)
-                buf = self._staging[slot]
-                for run in transfer.runs:
-                    run.host.copy_(
-                        buf[run.offset : run.offset + run.host.numel()], non_blocking=True
-                    )
+                for host, staged in self._copies(i, slot, transfer):
+                    host.copy_(staged, non_blocking=True)
                 self._end_mark(marks, self.d2h_stream)
                 self._stored[slot].record(self.d2h_stream)
                 self._stored_once[slot] = True
@@ -265,9 +275,8 @@ class StreamScheduler:
                 # updated) before new bytes land in it.
                 self.h2d_stream.wait_event(self._stored[slot])
             marks = self._mark(chunk, "load", self.h2d_stream)
-            buf = self._staging[slot]
-            for run in transfers[chunk].runs:
-                buf[run.offset : run.offset + run.host.numel()].copy_(run.host, non_blocking=True)
+            for host, staged in self._copies(chunk, slot, transfers[chunk]):
+                staged.copy_(host, non_blocking=True)
             self._end_mark(marks, self.h2d_stream)
             self._loaded[slot].record(self.h2d_stream)
 
