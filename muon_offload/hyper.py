@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import torch
 from torch import Tensor
@@ -211,6 +211,7 @@ class StepWork(list):
     in the same step before anything is touched; ``read()`` makes them where the checks did
     not (DTensor parameters, a check that fails)."""
 
+    plain = False  # every parameter and gradient a plain tensor (no DTensor): local(t) is t
     params: tuple[Tensor, ...]
     grads: tuple[Tensor, ...]
     shapes: tuple[torch.Size, ...]
@@ -218,7 +219,7 @@ class StepWork(list):
     grad_dtypes: tuple[torch.dtype, ...]
 
     def read(self, grads: Sequence[Tensor] | None = None) -> StepWork:
-        self.params = tuple(p for _, p in self)
+        self.params = tuple(map(_second, self))
         self.grads = tuple(map(_grad, self.params) if grads is None else grads)
         self.shapes = tuple(map(_shape, self.params))
         self.dtypes = tuple(map(_dtype, self.params))
@@ -267,6 +268,7 @@ def step_work(param_groups: list[dict]) -> tuple[StepWork, torch.device | None]:
 
 
 _grad, _dtype, _shape = attrgetter("grad"), attrgetter("dtype"), attrgetter("shape")
+_second = itemgetter(1)
 _layout, _device = attrgetter("layout"), attrgetter("device")
 _NONE_TYPE = type(None)
 _PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
@@ -284,6 +286,7 @@ def _checked_at_once(work: StepWork, grads: list[Tensor]) -> torch.device | None
         map(type, grads)
     ):
         return None
+    work.plain = True
     if set(map(_layout, grads)) != {torch.strided}:  # sparse gradients
         return None
     # Floating (never complex) gradients; parameters of a dtype the kernels serve.

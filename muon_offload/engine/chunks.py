@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from torch import Tensor
 
 from ..distributed import DTensor, Mesh, local, run_tasks
-from ..hyper import Hyper
+from ..hyper import Hyper, StepWork
 from .algorithm import Algorithm, UnitJob
 from .planner import Chunk, MuonUnit, Unit
+
+_grad = attrgetter("grad")
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class StepContext:
 
     state: dict  # the optimizer's state: parameter -> {name: tensor}
     formats: dict  # parameter -> its state's format (state_format.Dense / Int8)
-    work: list[tuple[int, Tensor]]  # (group index, parameter) of each planned parameter
+    work: StepWork  # (group index, parameter) of each planned parameter, as checked
     hypers: Sequence[Hyper]
     steps: Sequence[int]  # each group's step count, this step included
     backend: str
@@ -142,7 +145,10 @@ def _job(
         params = list(u.params)
         # The matrix kernels read gradients as dense rows; a transposed or sliced gradient
         # is copied once (contiguous() is free for the usual contiguous one).
-        grads = [local(p.grad).contiguous() for p in u.params]
+        if ctx.work.plain:  # C-level passes, no local() a gradient
+            grads = list(map(Tensor.contiguous, map(_grad, u.params)))
+        else:
+            grads = [local(p.grad).contiguous() for p in u.params]
     group = u.unit.group
     return UnitJob(
         group=group,
