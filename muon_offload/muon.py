@@ -57,7 +57,8 @@ class MuonUpdate(Algorithm):
         h, params, row = job.hyper, job.params, job.scalars
         if params[0].ndim == 2 and not h.flatten and not job.quantized:
             # Each tensor is its one matrix (what ``_matrices`` gives, without a list a tensor).
-            xs, gs, ms, scales = [local(p) for p in params], job.grads, job.state[0], []
+            xs = params if job.plain else [local(p) for p in params]
+            gs, ms, scales = job.grads, job.state[0], []
         else:
             xs, gs, ms, scales = [], [], [], []
             for i, (p, g, m) in enumerate(zip(params, job.grads, job.state[0], strict=True)):

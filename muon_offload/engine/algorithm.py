@@ -39,6 +39,7 @@ class UnitJob:
     state: list[list[Tensor]]
     quantized: bool = False
     scalars: Tensor | None = None
+    plain: bool = False  # no DTensor among the parameters: local(p) is p
 
 
 class Algorithm:

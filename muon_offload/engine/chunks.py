@@ -161,6 +161,7 @@ def _job(
         state=u.job_state(tensors),
         quantized=u.quantized,
         scalars=scalars,
+        plain=u.plain,
     )
 
 
