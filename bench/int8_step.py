@@ -9,6 +9,7 @@ seconds a step, host bytes, the peak GPU memory added, and whether offloaded and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -67,6 +68,9 @@ def run(
         digest=[_digest(p) for g in groups for p in g["params"]],
     )
     del opt, groups
+    # The optimizer holds reference cycles: without a collection its CUDA graph (and the graph's
+    # memory pool) outlived it into the next mode's readings (negative peaks, 2026-12-01).
+    gc.collect()
     torch.cuda.empty_cache()
     return row
 
