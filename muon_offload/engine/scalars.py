@@ -75,7 +75,7 @@ class ScalarTable:
         self._rows: list[tuple] = []
         self._offsets: list[int] = []
         self._views: list[list[Tensor]] = []
-        self._size = 0
+        self._values = np.zeros(0, dtype=np.float32)
 
     @property
     def buffer(self) -> Tensor | None:
@@ -87,7 +87,7 @@ class ScalarTable:
         unit's row (a view of the device buffer, the same tensors while the plan holds)."""
         if layouts is not self._layouts:
             self._lay_out(layouts, hypers, steps)
-        values = np.zeros(self._size, dtype=np.float32)
+        values = self._values  # padding stays zero; every row is rewritten
         for (group, algorithm, shape), at in zip(self._rows, self._offsets, strict=True):
             row = algorithm.scalars(hypers[group], steps[group], shape)
             values[at : at + len(row)] = row  # fp64 -> fp32, to nearest
@@ -119,7 +119,8 @@ class ScalarTable:
         self._views = [
             [buf[offsets[r] : offsets[r] + lengths[r]] for r in mine] for mine in unit_rows
         ]
-        self._rows, self._offsets, self._size = rows, offsets, size
+        self._rows, self._offsets = rows, offsets
+        self._values = np.zeros(size, dtype=np.float32)  # this plan's rows, filled each step
         self._layouts = layouts
 
     def _wait_all(self) -> None:
