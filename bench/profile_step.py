@@ -2,10 +2,12 @@
 dion's, with ``--dion-path``) on the bench workload, GPU kernels grouped by name.
 
     python bench/profile_step.py --out profile.json [--layers 48] [--dion-path DIR]
+    python bench/profile_step.py --out p.json --workload llama3-8b-fsdp8-rank --cuda-graph
 
 Prints the step's wall time, the summed GPU kernel time and the top kernels; the JSON keeps
 every kernel's total and count. GPU idle time (wall minus kernel time) is host overhead:
-launches, Python, the tuner's lookups.
+launches, Python, the tuner's lookups. ``--gram-newton-schulz`` and ``--cuda-graph`` add ours with
+that setting (each alone), so one run shows what either changes.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from muon_offload import Muon
 from muon_offload.tools.bench.modes import build
-from muon_offload.tools.workloads import qwen3_30b_a3b_ep8_rank
+from muon_offload.tools.workloads import WORKLOADS, workload
 
 
 def profiled(opt, steps: int) -> dict:
-    print("warming up (first steps tune the kernels) ...", flush=True)
-    for _ in range(2):
+    # The first steps tune the kernels; with cuda_graph=True the third captures the step.
+    print("warming up ...", flush=True)
+    for _ in range(4):
         opt.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -68,14 +71,32 @@ def report(name: str, r: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument(
+        "--workload", default="qwen3-30b-a3b-ep8-rank", choices=sorted(WORKLOADS), help="shapes"
+    )
+    ap.add_argument("--layers", type=int, default=None, help="first N layers (default: all)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dion-path", default=None, help="folder holding the dion package")
+    ap.add_argument("--gram-newton-schulz", action="store_true", help="also ours with it")
+    ap.add_argument("--cuda-graph", action="store_true", help="also ours with cuda_graph=True")
     args = ap.parse_args()
-    groups, _, _ = build(qwen3_30b_a3b_ep8_rank(args.layers), torch.device("cuda"))
-    results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
-    results["ours_resident"] = profiled(Muon(groups, lr=0.01), args.steps)
-    report("ours resident", results["ours_resident"])
+    groups, _, _ = build(workload(args.workload, args.layers), torch.device("cuda"))
+    results = {
+        "card": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "workload": args.workload,
+        "layers": args.layers,
+    }
+    variants = {"ours_resident": {}}
+    if args.gram_newton_schulz:
+        variants["ours_resident_gns"] = {"use_gram_newton_schulz": True}
+    if args.cuda_graph:
+        variants["ours_resident_graph"] = {"cuda_graph": True}
+    for name, kwargs in variants.items():
+        opt = Muon(groups, lr=0.01, **kwargs)
+        results[name] = profiled(opt, args.steps)
+        report(name.replace("_", " "), results[name])
+        del opt
     if args.dion_path:
         sys.path.insert(0, args.dion_path)
         from dion import Muon as DionMuon

@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also ours with use_gram_newton_schulz=True (default chunking), against the same "
         "dion step (its default orthogonalization), in the same rounds",
     )
+    ap.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also ours with cuda_graph=True (and, with --gram-newton-schulz, Gram Newton-Schulz "
+        "with it), in the same rounds",
+    )
     args = ap.parse_args(argv)
     if args.chunk_mib is not None and min(args.chunk_mib) < 1:
         ap.error("--chunk-mib must be >= 1")
@@ -98,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         opts[name] = Muon(groups, lr=MUON_LR, chunk_bytes=None if mib is None else mib << 20)
     if args.gram_newton_schulz:
         opts["ours_gns"] = Muon(groups, lr=MUON_LR, use_gram_newton_schulz=True)
+    if args.cuda_graph:
+        opts["ours_graph"] = Muon(groups, lr=MUON_LR, cuda_graph=True)
+        if args.gram_newton_schulz:
+            opts["ours_gns_graph"] = Muon(
+                groups, lr=MUON_LR, use_gram_newton_schulz=True, cuda_graph=True
+            )
     ours = list(opts)
     opts["dion"] = dion.Muon(groups, lr=MUON_LR)
     for _ in range(args.warmup):
