@@ -263,3 +263,54 @@ def test_oversized_matrices_share_one_notice(caplog):
     assert len(notes) == 1, notes
     assert notes[0].startswith("3 parameters") and "(64, 64) x 2" in notes[0]
     assert "(80, 64) x 1" in notes[0]
+
+
+MIXED_SHAPES = [(33, 70), (70, 33), (33, 70), (17, 17), (5, 9, 11), (70, 33), (33, 70)]
+MIXED_SHAPES += [(1031,), (257, 13), (3,), (129,), (4099,)]
+
+
+@pytest.mark.parametrize("resident_bytes", [None, 12_000])
+def test_interleaved_muon_and_elementwise_chunks_equal_resident_bitwise(resident_bytes):
+    """Streamed element-wise chunks run between the Muon ones (planner._interleave), and a
+    split AdamW parameter's pieces run out of their order: each chunk updates its own
+    elements, so the result is bitwise the resident, unchunked step's, over several steps."""
+    from muon_offload.engine.planner import holds_muon
+
+    gen = torch.Generator().manual_seed(2026)
+    init = [torch.randn(s, generator=gen) for s in MIXED_SHAPES]
+
+    def run(**kwargs):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [
+            dict(params=params[:7]),
+            dict(params=params[7:11], algorithm="adamw"),
+            dict(params=params[11:], algorithm="lion"),
+        ]
+        opt = Muon(groups, lr=0.02, weight_decay=0.05, **kwargs)
+        for s in range(4):
+            g = torch.Generator().manual_seed(500 + s)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return params, opt
+
+    kwargs = dict(offload=True, chunk_bytes=6000)
+    if resident_bytes is not None:
+        kwargs["resident_bytes"] = resident_bytes
+    offloaded = run(**kwargs)
+    plan = next(iter(offloaded[1]._plans.values()))[0]
+    kinds = "".join(
+        "r" if c.resident else "M" if holds_muon(c) else "e" for c in plan.chunks
+    ).lstrip("r")
+    # Several of each kind, element-wise ones between Muon ones, not a tail.
+    assert kinds.count("M") >= 4 and kinds.count("e") >= 4, kinds
+    assert "MeM" in kinds or "MeeM" in kinds, kinds
+    assert kinds.rstrip("e").count("e") >= kinds.count("e") // 2, kinds
+    # The (1031,) AdamW parameter is split over chunks, and its pieces run out of order.
+    starts = []
+    for chunk in plan.chunks:
+        for unit in chunk.units:
+            if unit.algorithm == "adamw":
+                starts += [s.start for s in unit.segments if s.param == 7]
+    assert len(starts) > 1 and starts != sorted(starts), starts
+    _assert_bitwise(offloaded, run())
