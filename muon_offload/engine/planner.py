@@ -145,6 +145,7 @@ def plan_step(
 
 
 def holds_muon(chunk: Chunk) -> bool:
+    """Whether a chunk holds muon units (and so, under sharding, collectives)."""
     return any(isinstance(u, MuonUnit) for u in chunk.units)
 
 
@@ -154,18 +155,19 @@ def _interleave(chunks: list[Chunk]) -> list[Chunk]:
 
     Why: a muon chunk is compute-bound, its orthogonalization outlasts the next chunk's load;
     an element-wise chunk is almost pure transfer. Run after all the muon chunks (the packed
-    order), the element-wise ones made an unhidden tail of loads and stores (llama3-8b-fsdp8-
-    rank on an H200: ~1 GB of AdamW state each way, 0.137 s offloaded against 0.116 s
-    resident and a 0.094 s transfer floor). Spread out, their transfers run under the muon
-    chunks' arithmetic.
+    order), the element-wise ones made an unhidden tail of loads and stores
+    (llama3-8b-fsdp8-rank on an H200: ~1 GB of AdamW state each way, 0.137 s offloaded
+    against 0.116 s resident and a 0.094 s transfer floor). Spread out, their transfers run
+    under the muon chunks' arithmetic.
 
     Rule (integers only, so deterministic): each muon chunk weighs its muon units' plan_bytes,
     each element-wise-only chunk its plan_bytes (at least 1 each). Element-wise chunk j runs
     right after the first muon chunk by which the muon share issued, sum(muon weights so
     far) / sum(muon weights), reaches the midpoint of chunk j's element-wise share,
     (weights before j + weight j / 2) / sum(element-wise weights). So the element-wise bytes
-    issued stay proportional to the muon bytes issued, to within one chunk; none runs before
-    the first muon chunk, and after the last only about half a share.
+    issued stay proportional to the muon bytes issued, to within half an element-wise
+    chunk after each muon chunk; none runs before the first muon chunk, and after the last
+    only about half a share.
 
     Under sharding this is safe: muon units are packed before element-wise parameters, on
     global sizes (plan_bytes), so every rank has the same muon-holding chunks with the same
