@@ -9,6 +9,12 @@ symmetric). Gram Newton-Schulz multiplies polynomials of one Gram matrix, which 
 their products are symmetric too (W = the second factor, symmetric, so W^T = W), and adds
 ``a I`` on the diagonal. Accumulation in fp32, one rounding to out's dtype.
 
+Two kernels: one that reads through pointers (any layout, one output tile a program) and,
+for the 16-bit layouts TMA reads (``tma_layout``), a persistent one whose operands come by
+TMA. Their configs are candidates of one tuning key, which holds that eligibility: which
+kernel runs follows from shape, dtype and layout, never the batch. Both sum in the same order
+(K steps of ``chunk``, fp32) and share the epilogue.
+
 ``sym_gram`` is the Triton launcher, ``sym_gram_reference`` the torch version it matches.
 """
 
@@ -19,7 +25,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
+from ._launch import (
+    FP_FUSION,
+    TUNER,
+    Config,
+    bench_ms,
+    bucket,
+    dtype_name,
+    persistent_grid,
+    tensor_descriptor,
+    tma_layout,
+    tuning_batch,
+)
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
 # Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles
@@ -31,11 +48,81 @@ GRAM_CONFIGS = (
     Config(block=64, chunk=64, num_warps=4, num_stages=4),
     Config(block=64, chunk=128, num_warps=4, num_stages=3),
     Config(block=128, chunk=64, num_warps=8, num_stages=3),
+    # The persistent TMA kernel (16-bit layouts TMA reads, ``tma_layout``): a flattened loop
+    # issues the next item's loads during this one's epilogue.
+    Config(block=128, chunk=64, num_warps=8, num_stages=4, tma=True, flatten=True),
+    Config(block=128, chunk=64, num_warps=8, num_stages=3, tma=True, flatten=True),
+    Config(block=128, chunk=64, num_warps=4, num_stages=4, tma=True, flatten=True),
+    Config(block=128, chunk=64, num_warps=8, num_stages=4, tma=True),
+    Config(block=128, chunk=64, num_warps=8, num_stages=3, tma=True, warp_specialize=True),
+    Config(
+        block=64, chunk=64, num_warps=4, num_stages=4, tma=True, flatten=True, programs_per_sm=2
+    ),
 )
 GRAM_INTERPRETER_CONFIG = Config(block=32, chunk=32, num_warps=4, num_stages=1)
 
 # Grid axis 1 (the batch) holds at most this many programs: larger batches launch in slices.
 MAX_GRID_Y = 65535
+
+
+@triton.jit
+def _lower_tile(i_t):
+    """Triangular index -> tile (i, j) with j <= i: i = floor((sqrt(8 t + 1) - 1) / 2), then
+    one step either way in case the float square root rounded across an integer."""
+    i = ((tl.sqrt(8.0 * i_t + 1.0) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where(i * (i + 1) // 2 > i_t, i - 1, i)
+    i = tl.where((i + 1) * (i + 2) // 2 <= i_t, i + 1, i)
+    return i, i_t - i * (i + 1) // 2
+
+
+@triton.jit
+def _epilogue(
+    b_acc,  # [BLOCK, BLOCK] fp32: x w^T of tile (i, j) of matrix i_b (int64)
+    i_b,
+    i,
+    j,
+    y,
+    out,
+    M,
+    stride_yb,
+    stride_ym,
+    stride_yn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    diag,
+    HAS_Y: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    SYMMETRIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BRANCHLESS: tl.constexpr,  # the mirrored store masked off on diagonal tiles, not skipped
+):
+    """alpha acc + beta y + diag I, one rounding, stored at (i, j) and mirrored at (j, i)."""
+    r_i = i * BLOCK + tl.arange(0, BLOCK)
+    r_j = j * BLOCK + tl.arange(0, BLOCK)
+    mask = (r_i[:, None] < M) & (r_j[None, :] < M)
+    b_acc *= alpha
+    if HAS_Y:
+        p_y = y + i_b * stride_yb + r_i[:, None] * stride_ym + r_j[None, :] * stride_yn
+        b_acc += beta * tl.load(p_y, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DIAG:  # true only on the diagonal tiles' diagonals
+        b_acc += tl.where(r_i[:, None] == r_j[None, :], diag, 0.0)
+    if SYMMETRIZE:  # noqa: SIM102 (a constexpr and a runtime test: two ifs for Triton)
+        # x_r . w_c and x_c . w_r round differently when w is not x: without this the
+        # asymmetry compounds through products that read only the lower tiles.
+        if i == j:
+            b_acc = tl.where(r_i[:, None] >= r_j[None, :], b_acc, tl.trans(b_acc))
+    b_c = b_acc.to(out.dtype.element_ty)
+    out += i_b * stride_ob
+    tl.store(out + r_i[:, None] * stride_om + r_j[None, :] * stride_on, b_c, mask=mask)
+    p_t = out + r_j[:, None] * stride_om + r_i[None, :] * stride_on
+    mask_t = (r_j[:, None] < M) & (r_i[None, :] < M)
+    if BRANCHLESS:  # triton 3.6 fails to flatten a loop holding this if (a masked store)
+        tl.store(p_t, tl.trans(b_c), mask=mask_t & (i != j))
+    elif i != j:
+        tl.store(p_t, tl.trans(b_c), mask=mask_t)
 
 
 @triton.jit
@@ -72,12 +159,7 @@ def _sym_gram_kernel(
 ):
     i_t = tl.program_id(0)
     i_b = tl.program_id(1).to(tl.int64) + b_start
-    # Triangular index -> tile (i, j) with j <= i: i = floor((sqrt(8 t + 1) - 1) / 2),
-    # then one step either way in case the float square root rounded across an integer.
-    i = ((tl.sqrt(8.0 * i_t + 1.0) - 1.0) * 0.5).to(tl.int32)
-    i = tl.where(i * (i + 1) // 2 > i_t, i - 1, i)
-    i = tl.where((i + 1) * (i + 2) // 2 <= i_t, i + 1, i)
-    j = i_t - i * (i + 1) // 2
+    i, j = _lower_tile(i_t)
 
     r_i = i * BLOCK + tl.arange(0, BLOCK)
     r_j = j * BLOCK + tl.arange(0, BLOCK)
@@ -101,25 +183,70 @@ def _sym_gram_kernel(
         p_a += BLOCK_K * stride_xk
         p_b += BLOCK_K * stride_wk
 
-    mask = (r_i[:, None] < M) & (r_j[None, :] < M)
-    b_acc *= alpha
-    if HAS_Y:
-        p_y = y + i_b * stride_yb + r_i[:, None] * stride_ym + r_j[None, :] * stride_yn
-        b_acc += beta * tl.load(p_y, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DIAG:  # true only on the diagonal tiles' diagonals
-        b_acc += tl.where(r_i[:, None] == r_j[None, :], diag, 0.0)
-    if SYMMETRIZE:  # noqa: SIM102 (a constexpr and a runtime test: two ifs for Triton)
-        # x_r . w_c and x_c . w_r round differently when w is not x: without this the
-        # asymmetry compounds through products that read only the lower tiles.
-        if i == j:
-            b_acc = tl.where(r_i[:, None] >= r_j[None, :], b_acc, tl.trans(b_acc))
-    b_c = b_acc.to(out.dtype.element_ty)
-    out += i_b * stride_ob
-    tl.store(out + r_i[:, None] * stride_om + r_j[None, :] * stride_on, b_c, mask=mask)
-    if i != j:
-        p_t = out + r_j[:, None] * stride_om + r_i[None, :] * stride_on
-        mask_t = (r_j[:, None] < M) & (r_i[None, :] < M)
-        tl.store(p_t, tl.trans(b_c), mask=mask_t)
+    _epilogue(
+        b_acc, i_b, i, j, y, out, M, stride_yb, stride_ym, stride_yn, stride_ob, stride_om,
+        stride_on, alpha, beta, diag, HAS_Y, HAS_DIAG, SYMMETRIZE, BLOCK, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _sym_gram_tma_kernel(
+    x_desc,  # [B, M, K] box [1, BLOCK, BLOCK_K]; X_T: x.mT [B, K, M] box [1, BLOCK_K, BLOCK]
+    w_desc,  # the second factor likewise (W_T)
+    y,  # [B, M, M], read only when HAS_Y
+    out,  # [B, M, M]
+    items,  # batch x lower tiles
+    M,
+    K,
+    stride_yb,
+    stride_ym,
+    stride_yn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    beta,
+    diag,
+    HAS_Y: tl.constexpr,
+    HAS_DIAG: tl.constexpr,
+    SYMMETRIZE: tl.constexpr,
+    X_T: tl.constexpr,
+    W_T: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """The pointer kernel's sums and epilogue, persistent, its operands read by TMA: a loop
+    over (matrix, lower tile) items, matrix-major so that programs running together share
+    a matrix. TMA fills rows and columns past the end with zeros (no masks on loads)."""
+    tiles_side = tl.cdiv(M, BLOCK)
+    tiles = tiles_side * (tiles_side + 1) // 2
+    for item in tl.range(
+        tl.program_id(0),
+        items,
+        tl.num_programs(0),
+        flatten=FLATTEN,
+        warp_specialize=WARP_SPECIALIZE,
+    ):
+        i_b = item // tiles
+        i, j = _lower_tile(item % tiles)
+        b_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
+            if X_T:
+                b_a = x_desc.load([i_b, k * BLOCK_K, i * BLOCK]).reshape(BLOCK_K, BLOCK).T
+            else:
+                b_a = x_desc.load([i_b, i * BLOCK, k * BLOCK_K]).reshape(BLOCK, BLOCK_K)
+            if W_T:  # already w^T: [BLOCK_K, BLOCK]
+                b_bt = w_desc.load([i_b, k * BLOCK_K, j * BLOCK]).reshape(BLOCK_K, BLOCK)
+            else:
+                b_bt = w_desc.load([i_b, j * BLOCK, k * BLOCK_K]).reshape(BLOCK, BLOCK_K).T
+            b_acc = tl.dot(b_a, b_bt, b_acc)
+        _epilogue(
+            b_acc, i_b.to(tl.int64), i, j, y, out, M, stride_yb, stride_ym, stride_yn,
+            stride_ob, stride_om, stride_on, alpha, beta, diag, HAS_Y, HAS_DIAG, SYMMETRIZE,
+            BLOCK, FLATTEN,
+        )  # fmt: skip
 
 
 def _launch(
@@ -133,6 +260,9 @@ def _launch(
     symmetrize: bool,
     config: Config,
 ) -> None:
+    if config.tma:
+        _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize, config)
+        return
     batch, m, k = x.shape
     tiles = triton.cdiv(m, config.block)
     y_arg = y if y is not None else out
@@ -164,6 +294,44 @@ def _launch(
             num_stages=config.num_stages,
             enable_fp_fusion=FP_FUSION,
         )
+
+
+def _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize: bool, config: Config) -> None:
+    """``_launch`` on the persistent TMA kernel (x and w: ``tma_layout`` not None)."""
+    batch, m, k = x.shape
+    tiles_side = triton.cdiv(m, config.block)
+    items = batch * tiles_side * (tiles_side + 1) // 2
+    x_t, w_t = tma_layout(x), tma_layout(w)
+    box = (config.block, config.chunk)
+    x_desc = tensor_descriptor(x, x_t, box[::-1] if x_t else box)
+    w_desc = x_desc if w is x else tensor_descriptor(w, w_t, box[::-1] if w_t else box)
+    y_arg = y if y is not None else out
+    _sym_gram_tma_kernel[(persistent_grid(items, config, x.device),)](
+        x_desc,
+        w_desc,
+        y_arg,
+        out,
+        items,
+        m,
+        k,
+        *y_arg.stride(),
+        *out.stride(),
+        alpha,
+        beta,
+        diag,
+        HAS_Y=y is not None,
+        HAS_DIAG=diag != 0.0,
+        SYMMETRIZE=symmetrize,
+        X_T=x_t,
+        W_T=w_t,
+        BLOCK=config.block,
+        BLOCK_K=config.chunk,
+        FLATTEN=config.flatten,
+        WARP_SPECIALIZE=config.warp_specialize,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
 
 
 def sym_gram(
@@ -199,6 +367,7 @@ def sym_gram(
         out.diagonal(dim1=-2, dim2=-1).add_(diag)
         return out
     symmetrize = symmetrize or w is not None
+    tma = tma_layout(x) is not None and (w is None or tma_layout(w) is not None)
     # The config sets the order of the fp32 sums, so it depends on the shape and layout
     # only, never on the batch: a matrix gets the same bits in any batch.
     key = (
@@ -210,6 +379,7 @@ def sym_gram(
         None if w is None else w.stride(-1) == 1,
         y is not None,
         symmetrize,
+        tma,
     )
 
     def bench(config: Config) -> float:
@@ -221,19 +391,29 @@ def sym_gram(
         so = torch.empty(n, m, m, dtype=out.dtype, device=out.device)
         return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config))
 
-    config = TUNER.choose("sym_gram", key, GRAM_CONFIGS, GRAM_INTERPRETER_CONFIG, x.device, bench)
+    configs = GRAM_CONFIGS if tma else tuple(c for c in GRAM_CONFIGS if not c.tma)
+    config = TUNER.choose("sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, bench)
     w = x if w is None else w
     _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config)
     return out
 
 
 def _scratch(t: Tensor, batch: int) -> Tensor:
-    """Random [batch, *t.shape[1:]] with t's dtype and the layout of its last two dims."""
-    shape = (batch, *t.shape[1:])
-    s = torch.randn(shape, device=t.device).div_(t.shape[-1] ** 0.5).to(t.dtype)
-    if t.stride(-1) != 1 and t.stride(-2) == 1:
-        s = s.mT.contiguous().mT
-    return s
+    """Random [batch, *t.shape[1:]] with t's dtype and the layout of its last two dims (rows
+    or columns contiguous, their padding kept: TMA takes the scratch when it takes t),
+    each matrix on a 16-byte boundary."""
+    _, rows, cols = t.shape
+    s_r, s_c = t.stride(-2), t.stride(-1)
+    if s_c == 1 and s_r >= cols:
+        strides = (s_r, 1)
+    elif s_r == 1 and s_c >= rows and s_c != 1:
+        strides = (1, s_c)
+    else:
+        strides = (cols, 1)
+    span = (rows - 1) * strides[0] + (cols - 1) * strides[1] + 1
+    span += -span % 8
+    flat = torch.randn(batch * span, device=t.device).div_(cols**0.5).to(t.dtype)
+    return flat.as_strided((batch, rows, cols), (span, *strides))
 
 
 def sym_gram_reference(

@@ -7,6 +7,9 @@ one rounding to out's dtype: what cuBLAS ``baddbmm(X, B, X, beta=alpha)`` comput
 its copy of X into the output first. Tiles are numbered along a row of tiles first, so the
 programs that run together share B's row block.
 
+As in ``gram.py``, a pointer kernel and, for the 16-bit layouts TMA reads (X and B; X may
+be a ``.mT`` view), a persistent TMA one, their configs candidates of one tuning key.
+
 ``poly_apply`` is the Triton launcher, ``poly_apply_reference`` the torch version it matches.
 """
 
@@ -17,7 +20,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
+from ._launch import (
+    FP_FUSION,
+    TUNER,
+    Config,
+    bench_ms,
+    bucket,
+    dtype_name,
+    persistent_grid,
+    tensor_descriptor,
+    tma_layout,
+    tuning_batch,
+)
 from .gram import MAX_GRID_Y, _scratch
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
@@ -27,7 +41,7 @@ from .gram import MAX_GRID_Y, _scratch
 # 2048x4096, so it is not done. A loop over several tiles per program (flattened, so the next
 # tile's loads overlap this one's epilogue) ran up to 1.5x slower with these pointer loads;
 # with host TMA descriptors instead it took 0.575 ms (0.560 on the .mT view, against 0.617):
-# a second kernel, for 16-byte-aligned layouts only, left for later.
+# hence the second kernel below (``tma`` configs), for the layouts TMA reads.
 POLY_APPLY_CONFIGS = (
     Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=3),
     Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=4),
@@ -35,6 +49,14 @@ POLY_APPLY_CONFIGS = (
     Config(block=128, block_m=128, chunk=64, num_warps=4, num_stages=4),
     Config(block=256, block_m=64, chunk=64, num_warps=4, num_stages=4),
     Config(block=64, block_m=128, chunk=64, num_warps=4, num_stages=4),
+    Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=3, tma=True, flatten=True),
+    Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=4, tma=True, flatten=True),
+    Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=3, tma=True),
+    Config(block=128, block_m=128, chunk=64, num_warps=8, num_stages=4, tma=True, flatten=True),
+    Config(block=128, block_m=128, chunk=64, num_warps=4, num_stages=4, tma=True, flatten=True),
+    Config(
+        block=256, block_m=128, chunk=64, num_warps=8, num_stages=3, tma=True, warp_specialize=True
+    ),
 )
 # fp32 operands take twice the shared memory per stage: the 16-bit configs would not fit.
 POLY_APPLY_FP32_CONFIGS = (
@@ -111,7 +133,76 @@ def _poly_apply_kernel(
         tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _poly_apply_tma_kernel(
+    p_desc,  # poly [B, M, M] box [1, BLOCK_M, BLOCK_K] (rows contiguous: B = B^T if need be)
+    x_desc,  # x [B, M, N] box [1, BLOCK_K, BLOCK_N]; X_T: x.mT [B, N, M] box [1, BLOCK_N, BLOCK_K]
+    x,  # [B, M, N], read again for alpha X (ADD_X)
+    out,  # [B, M, N]
+    items,  # batch x tiles
+    M,
+    N,
+    stride_xb,
+    stride_xm,
+    stride_xn,
+    stride_ob,
+    stride_om,
+    stride_on,
+    alpha,
+    ADD_X: tl.constexpr,
+    EVEN: tl.constexpr,  # M and N multiples of the tile: no masks on the epilogue
+    X_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """The pointer kernel's sums and epilogue, persistent, its operands read by TMA: a loop
+    over (matrix, tile) items, tiles along a row first as there. TMA fills rows and columns
+    past the end with zeros (no masks on loads)."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    for item in tl.range(
+        tl.program_id(0),
+        items,
+        tl.num_programs(0),
+        flatten=FLATTEN,
+        warp_specialize=WARP_SPECIALIZE,
+    ):
+        i_b = item // tiles
+        i_t = item % tiles
+        off_m = (i_t // tiles_n) * BLOCK_M
+        off_n = (i_t % tiles_n) * BLOCK_N
+        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(0, tl.cdiv(M, BLOCK_K)):
+            b_p = p_desc.load([i_b, off_m, k * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
+            if X_T:
+                b_x = x_desc.load([i_b, off_n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+            else:
+                b_x = x_desc.load([i_b, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
+            b_acc = tl.dot(b_p, b_x, b_acc)
+
+        r_m = off_m + tl.arange(0, BLOCK_M)
+        r_n = off_n + tl.arange(0, BLOCK_N)
+        i_b64 = i_b.to(tl.int64)
+        p_x = x + i_b64 * stride_xb + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
+        p_o = out + i_b64 * stride_ob + r_m[:, None] * stride_om + r_n[None, :] * stride_on
+        if EVEN:
+            if ADD_X:
+                b_acc += alpha * tl.load(p_x).to(tl.float32)
+            tl.store(p_o, b_acc.to(out.dtype.element_ty))
+        else:
+            mask = (r_m[:, None] < M) & (r_n[None, :] < N)
+            if ADD_X:
+                b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
+            tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=mask)
+
+
 def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) -> None:
+    if config.tma:
+        _launch_tma(poly, x, out, alpha, config)
+        return
     batch, m, n = x.shape
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
     even = m % config.block_m == 0 and m % config.chunk == 0 and n % config.block == 0
@@ -145,6 +236,40 @@ def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) 
         )
 
 
+def _launch_tma(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) -> None:
+    """``_launch`` on the persistent TMA kernel (poly and x: ``tma_layout`` not None)."""
+    batch, m, n = x.shape
+    items = batch * triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
+    even = m % config.block_m == 0 and n % config.block == 0
+    # B = B^T: a column-major poly is described as its transpose, rows contiguous.
+    p_desc = tensor_descriptor(poly, tma_layout(poly), (config.block_m, config.chunk))
+    x_t = tma_layout(x)
+    box = (config.block, config.chunk) if x_t else (config.chunk, config.block)
+    _poly_apply_tma_kernel[(persistent_grid(items, config, x.device),)](
+        p_desc,
+        tensor_descriptor(x, x_t, box),
+        x,
+        out,
+        items,
+        m,
+        n,
+        *x.stride(),
+        *out.stride(),
+        alpha,
+        ADD_X=alpha != 0.0,
+        EVEN=even,
+        X_T=x_t,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block,
+        BLOCK_K=config.chunk,
+        FLATTEN=config.flatten,
+        WARP_SPECIALIZE=config.warp_specialize,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
+
+
 def _span(t: Tensor) -> tuple[int, int]:
     """The byte range [first, last) that a tensor's elements occupy."""
     extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
@@ -172,6 +297,7 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         t_lo, t_hi = _span(t)
         if lo < t_hi and t_lo < hi:
             raise ValueError(f"out must not overlap {name}")
+    tma = tma_layout(x) is not None and tma_layout(poly) is not None
     key = (
         dtype_name(x.dtype),
         dtype_name(out.dtype),
@@ -180,6 +306,7 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         x.stride(-1) == 1,  # rows contiguous, or a transposed view
         poly.stride(-1) == 1,
         alpha != 0.0,
+        tma,
     )  # never the batch: the config sets the order of the sums, so a matrix's bits
 
     def bench(config: Config) -> float:
@@ -190,6 +317,8 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         return bench_ms(lambda: _launch(sp, sx, so, alpha, config))
 
     configs = POLY_APPLY_FP32_CONFIGS if x.element_size() > 2 else POLY_APPLY_CONFIGS
+    if not tma:
+        configs = tuple(c for c in configs if not c.tma)
     config = TUNER.choose(
         "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
     )

@@ -31,7 +31,8 @@ import triton  # noqa: E402
 from muon_offload.kernels import _launch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 import muon_offload  # noqa: E402
 
@@ -55,6 +56,8 @@ _TYPES = {
 
 
 def _type_of(value) -> str:
+    if isinstance(value, TensorDescriptor):  # a host TMA descriptor: "tensordesc<bf16[1, 128, 64]>"
+        return mangle_type(value)
     if isinstance(value, torch.Tensor):
         return "*" + _TYPES[value.dtype]
     if isinstance(value, bool):
@@ -152,10 +155,56 @@ def drive(config_index: int) -> None:
                 orthogonalize_on(x, None, method=method, products="triton_all")
 
 
+def drive_tma() -> None:
+    """The TMA configs of the 2-D products with every code path their launchers can take
+    (the recorded steps, on small matrices, reach only some): layouts (rows contiguous,
+    ``.mT`` views, a padded row stride), Y, the diagonal, symmetrize, w, alpha X, tiles that
+    divide the matrix or not; bf16, and fp16 (Gram Newton-Schulz's) with the first config."""
+    from muon_offload.kernels import gram, poly_apply
+
+    def layouts(b, r, c, dtype):
+        """[b, r, c] rows contiguous, a .mT view, and rows padded to a multiple of 16."""
+        yield torch.zeros(b, r, c, dtype=dtype)
+        yield torch.zeros(b, c, r, dtype=dtype).mT
+        yield torch.zeros(b, r, c + 16, dtype=dtype)[:, :, :c]
+
+    gram_configs = [c for c in gram.GRAM_CONFIGS if c.tma]
+    poly_configs = [c for c in poly_apply.POLY_APPLY_CONFIGS if c.tma]
+    for dtype in (torch.bfloat16, torch.float16):
+        if dtype == torch.float16:
+            gram_configs, poly_configs = gram_configs[:1], poly_configs[:1]
+        for config in gram_configs:
+            for x in layouts(2, 200, 264, dtype):
+                assert _launch.tma_layout(x) is not None
+                out = torch.zeros(2, 200, 200, dtype=dtype)
+                # Polar Express: X X^T; Gram Newton-Schulz: R = X X^T symmetrized, S T.
+                gram._launch(x, x, None, out, 1.0, 0.0, 0.0, False, config)
+                gram._launch(x, x, None, out, 1.0, 0.0, 0.0, True, config)
+                w = torch.zeros(2, 200, 264, dtype=dtype)
+                gram._launch(x, w, None, out, 1.0, 0.0, 0.0, True, config)
+                gram._launch(w, x, None, out, 1.0, 0.0, 0.0, True, config)
+            a = torch.zeros(2, 200, 200, dtype=dtype)
+            out = torch.zeros(2, 200, 200, dtype=dtype)
+            # b A + c A A; Gram Newton-Schulz's with a I, symmetrized.
+            gram._launch(a, a, a, out, 0.5, -1.7, 0.0, False, config)
+            gram._launch(a, a, a, out, 0.5, -1.7, 2.3, True, config)
+        for config in poly_configs:
+            for m, n in ((200, 264), (256, 512)):  # masked and even epilogues
+                poly = torch.zeros(2, m, m, dtype=dtype)
+                for x in layouts(2, m, n, dtype):
+                    out = torch.zeros(2, m, n, dtype=dtype)
+                    for alpha in (3.9, 0.0):
+                        poly_apply._launch(poly, x, out, alpha, config)
+                poly_apply._launch(poly.mT, x, out, 3.9, config)  # column-major poly
+
+
+TMA_KERNELS = ("_sym_gram_tma_kernel", "_poly_apply_tma_kernel")
 _VARIANTS: list[tuple] = []
 # Constexprs and options that only size the tiles (the tuning configs): a kernel's code paths
 # are its other constexprs (dtypes, flags), and each tile size is compiled once, not once per
 # combination with them.
+# FLATTEN and WARP_SPECIALIZE (the TMA kernels' loop) are paths: each is compiled with every
+# flag combination, the loop-flattening pass being where triton 3.6 failed on one.
 TILE_CONSTEXPRS = ("BLOCK", "BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK", "LOG2_BLOCK")
 
 
@@ -195,12 +244,15 @@ def main() -> int:
     started = time.perf_counter()
     for index in range(max(len(c) for c in _config_lists())):
         drive(index)
+    drive_tma()
     variants = _covering(recorder.variants.values())
+    tma_count = sum(fn.__name__ in TMA_KERNELS for fn, *_ in variants)
     only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
     if only:
         variants = [v for v in variants if v[0].__name__ in only]
     names = sorted({fn.__name__ for fn, *_ in variants})
     print(f"triton {triton.__version__}: {len(variants)} variants of {len(names)} kernels")
+    print(f"TMA kernels: {tma_count} variants")
     # Every launch names its multiply-add contraction: triton 3.10 flips the default, and a
     # kernel's bits must not change with the Triton version (kernels/_launch.py, FP_FUSION).
     implicit = {fn.__name__ for fn, _, _, opts in variants if "enable_fp_fusion" not in opts}

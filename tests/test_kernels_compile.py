@@ -23,5 +23,6 @@ def test_every_launched_kernel_compiles_for_sm90():
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     # The check must have seen the kernel families, not an empty run.
-    for family in ("_adamw_kernel", "_muon_prep_kernel", "_sym_gram_kernel", "_adamw8_kernel"):
+    families = ("_adamw_kernel", "_muon_prep_kernel", "_sym_gram_kernel", "_adamw8_kernel")
+    for family in (*families, "_sym_gram_tma_kernel", "_poly_apply_tma_kernel"):
         assert family in proc.stdout, report
