@@ -245,6 +245,11 @@ def persistent_grid(items: int, config: Config, device: torch.device) -> int:
     return max(1, min(items, sms * config.programs_per_sm))
 
 
+def tma_enabled() -> bool:
+    """``MUON_OFFLOAD_TMA=0`` keeps the TMA configs out of tuning (the pointer kernels only)."""
+    return os.environ.get("MUON_OFFLOAD_TMA", "1") != "0"
+
+
 def tma_layout(t: Tensor) -> bool | None:
     """For a 16-bit [B, R, C] tensor that a TMA descriptor can describe: False when rows are
     contiguous, True for a transposed view (columns contiguous, the descriptor is made on

@@ -34,6 +34,7 @@ from ._launch import (
     dtype_name,
     persistent_grid,
     tensor_descriptor,
+    tma_enabled,
     tma_layout,
     tuning_batch,
 )
@@ -367,7 +368,7 @@ def sym_gram(
         out.diagonal(dim1=-2, dim2=-1).add_(diag)
         return out
     symmetrize = symmetrize or w is not None
-    tma = tma_layout(x) is not None and (w is None or tma_layout(w) is not None)
+    tma = tma_enabled() and tma_layout(x) is not None and (w is None or tma_layout(w) is not None)
     # The config sets the order of the fp32 sums, so it depends on the shape and layout
     # only, never on the batch: a matrix gets the same bits in any batch.
     key = (

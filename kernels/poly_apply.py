@@ -29,6 +29,7 @@ from ._launch import (
     dtype_name,
     persistent_grid,
     tensor_descriptor,
+    tma_enabled,
     tma_layout,
     tuning_batch,
 )
@@ -297,7 +298,7 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         t_lo, t_hi = _span(t)
         if lo < t_hi and t_lo < hi:
             raise ValueError(f"out must not overlap {name}")
-    tma = tma_layout(x) is not None and tma_layout(poly) is not None
+    tma = tma_enabled() and tma_layout(x) is not None and tma_layout(poly) is not None
     key = (
         dtype_name(x.dtype),
         dtype_name(out.dtype),
