@@ -9,6 +9,8 @@ import pytest
 import torch
 from _kernel_utils import DEVICES as KERNEL_DEVICES
 from _kernel_utils import bf16_ulp, randn
+from muon_offload.kernels import _launch
+from muon_offload.kernels import gram as gram_module
 from muon_offload.kernels import poly_apply as poly_apply_module
 from muon_offload.kernels.gram import sym_gram, sym_gram_reference
 from muon_offload.kernels.muon import muon_prep, muon_prep_reference
@@ -339,6 +341,181 @@ def test_poly_apply_bf16_bench_shape(transposed, config):
     out = _poisoned(x.shape, torch.bfloat16, "cuda")
     poly_apply_module._launch(poly, x, out, 3.8917, config)
     _check_apply(out, poly, x, 3.8917)
+
+
+# --- the persistent TMA kernels: which layouts get them (any machine), results (GPU) -----
+
+
+class _Chosen(Exception):
+    """Raised by a stand-in tuner: the launcher's choice is read, no kernel runs."""
+
+
+def _offered(monkeypatch, fn, *args, **kwargs):
+    """(key, configs) that ``fn`` hands the tuner."""
+
+    def choose(kernel, key, configs, interpreter_config, device, bench, force=False):
+        raise _Chosen(key, configs)
+
+    monkeypatch.setattr(_launch.TUNER, "choose", choose)
+    with pytest.raises(_Chosen) as caught:
+        fn(*args, **kwargs)
+    return caught.value.args
+
+
+@pytest.mark.parametrize(
+    "make,tma",
+    [
+        (lambda: torch.zeros(5, 40, 64, dtype=torch.bfloat16), True),
+        (lambda: torch.zeros(5, 64, 40, dtype=torch.float16).mT, True),  # a .mT view
+        (lambda: torch.zeros(5, 40, 72, dtype=torch.bfloat16)[:, :, :60], True),  # padded rows
+        (lambda: torch.zeros(5, 40, 60, dtype=torch.bfloat16), False),  # 120-byte rows
+        (lambda: torch.zeros(5 * 40 * 64 + 1, dtype=torch.bfloat16)[1:].view(5, 40, 64), False),
+        (lambda: torch.zeros(5, 40, 64), False),  # fp32: the pointer kernel only
+    ],
+    ids=["rows", "mT", "padded", "unaligned-stride", "unaligned-base", "fp32"],
+)
+def test_tma_configs_offered_by_layout_never_by_batch(monkeypatch, make, tma):
+    """TMA configs reach the tuner only for layouts TMA reads, the flag in the key; a matrix
+    alone is offered the same configs under the same key as its batch."""
+    x = make()
+    assert (_launch.tma_layout(x) is not None) == tma
+    for t in (x, x[2:3]):
+        key, configs = _offered(monkeypatch, sym_gram, t)
+        assert key[-1] is tma and any(c.tma for c in configs) is tma
+        assert configs == _offered(monkeypatch, sym_gram, t)[1]
+        out = torch.empty(t.shape, dtype=t.dtype)
+        poly = torch.zeros(t.shape[0], 40, 48, dtype=t.dtype)[:, :, :40]
+        key, configs = _offered(monkeypatch, poly_apply, poly, t, out=out)
+        assert key[-1] is tma and any(c.tma for c in configs) is tma
+    gram_keys = {_offered(monkeypatch, sym_gram, t)[0] for t in (x, x[2:3], x[1:4])}
+    assert len(gram_keys) == 1
+    monkeypatch.setenv("MUON_OFFLOAD_TMA", "0")  # the switch: pointer kernels only
+    key, configs = _offered(monkeypatch, sym_gram, x)
+    assert key[-1] is False and not any(c.tma for c in configs)
+
+
+GRAM_TMA_CONFIGS = [c for c in gram_module.GRAM_CONFIGS if c.tma]
+POLY_TMA_CONFIGS = [c for c in poly_apply_module.POLY_APPLY_CONFIGS if c.tma]
+
+
+def _bf16_input(batch, m, k, transposed, seed):
+    """bf16 [batch, m, k] of norm about 1 a row: rows contiguous, or a ``.mT`` view (its
+    stored rows of m padded to a multiple of 8 elements, so that TMA reads it)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, k, m) if transposed else (batch, m, k)
+    x = (torch.randn(shape, generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+    return _padded(x).mT if transposed else x
+
+
+def _padded(t):
+    """A copy of t [B, r, c] whose rows are padded to a multiple of 8 elements (TMA)."""
+    c = t.size(-1)
+    buf = torch.zeros(*t.shape[:2], c + (-c % 8), dtype=t.dtype, device=t.device)
+    buf[:, :, :c].copy_(t)
+    return buf[:, :, :c]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "config", [*GRAM_TMA_CONFIGS, gram_module.GRAM_CONFIGS[0]], ids=lambda c: c.label()
+)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("m,k", [(77, 1000), (200, 2048), (768, 2048)], ids=str)
+def test_sym_gram_tma_configs_match_reference(config, transposed, m, k):
+    """Each TMA config (and the pointer kernel) forced, bf16, odd sizes and the ``.mT``
+    layout: X X^T, then b A + c A A on it, then Gram Newton-Schulz's product with w, a I and
+    symmetrize; NaN-poisoned outputs. A matrix alone has the bits it has in a batch of 5."""
+    x = _bf16_input(5, m, k, transposed, seed=m + k)
+    assert _launch.tma_layout(x) is not None
+    gram = _poisoned((5, m, m), torch.bfloat16, "cuda")
+    gram_module._launch(x, x, None, gram, 1.0, 0.0, 0.0, False, config)
+    _check_gram(gram, x)
+    alone = _poisoned((1, m, m), torch.bfloat16, "cuda")
+    gram_module._launch(x[3:4], x[3:4], None, alone, 1.0, 0.0, 0.0, False, config)
+    assert torch.equal(alone[0], gram[3])
+
+    a = _padded(gram[:3])
+    assert _launch.tma_layout(a) is not None
+    poly = _poisoned((3, m, m), torch.bfloat16, "cuda")
+    gram_module._launch(a, a, a, poly, 0.506, -2.77, 0.0, False, config)
+    _check_gram(poly, a, alpha=0.506, y=a, beta=-2.77)
+
+    w = _padded(sym_gram_reference(x[:3], alpha=0.5))
+    got = _poisoned((3, m, m), torch.bfloat16, "cuda")
+    gram_module._launch(a, w, a, got, 0.7, -1.3, 2.5, True, config)
+    want = sym_gram_reference(a, w=w, alpha=0.7, y=a, beta=-1.3, diag=2.5).float().cpu()
+    assert torch.equal(got, got.mT), "not symmetric bit for bit"
+    af, wf = a.float().cpu().abs(), w.float().cpu().abs()
+    _assert_within_rounding(got, want, 0.7 * (af @ wf.mT) + 1.3 * af + 2.5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "config",
+    [*POLY_TMA_CONFIGS, poly_apply_module.POLY_APPLY_CONFIGS[0]],
+    ids=lambda c: c.label(),
+)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("m,n", [(77, 1000), (200, 2048), (768, 2048)], ids=str)
+def test_poly_apply_tma_configs_match_reference(config, transposed, m, n):
+    """As for sym_gram: each config forced, bf16, odd sizes, x a ``.mT`` view or not, poly
+    with padded rows (or column-major), alpha X and none; a matrix alone equals its batch's."""
+    x = _bf16_input(5, m, n, transposed, seed=m * n)
+    poly = _padded(sym_gram_reference(x, alpha=0.8))
+    assert _launch.tma_layout(x) is not None and _launch.tma_layout(poly) is not None
+    for alpha in (3.8917, 0.0):
+        out = _poisoned((5, m, n), torch.bfloat16, "cuda")
+        poly_apply_module._launch(poly, x, out, alpha, config)
+        _check_apply(out, poly, x, alpha)
+        alone = _poisoned((1, m, n), torch.bfloat16, "cuda")
+        poly_apply_module._launch(poly[2:3], x[2:3], alone, alpha, config)
+        assert torch.equal(alone[0], out[2])
+    if m % 8 == 0:  # poly column-major: read as its transpose
+        out = _poisoned((5, m, n), torch.bfloat16, "cuda")
+        poly_apply_module._launch(poly.mT.contiguous().mT, x, out, -0.5, config)
+        _check_apply(out, poly, x, -0.5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tuned_products_batch_invariant_with_tma(transposed):
+    """Through the public launchers (the tuner's choice, TMA configs among the candidates):
+    a matrix alone (a batch of one, same layout) gets the bits it gets in a batch of 5, on
+    the qwen3 expert shape."""
+    x = _bf16_input(5, 768, 2048, transposed, seed=7)
+    gram = sym_gram(x)
+    assert torch.equal(sym_gram(x[1:2])[0], gram[1])
+    poly = sym_gram(gram, alpha=0.506, y=gram, beta=-2.77)
+    assert torch.equal(sym_gram(gram[1:2], alpha=0.506, y=gram[1:2], beta=-2.77)[0], poly[1])
+    out = poly_apply(poly, x, alpha=3.89)
+    assert torch.equal(poly_apply(poly[4:5], x[4:5], alpha=3.89)[0], out[4])
+
+
+@pytest.mark.cuda
+def test_tma_products_captured_in_a_cuda_graph():
+    """The TMA kernels' descriptors are host objects passed by value: a launch captures (no
+    device allocation, no sync) and a replay reads the buffers' new contents."""
+    x = _bf16_input(3, 200, 1000, True, seed=8)
+    a = _padded(torch.empty(3, 200, 200, dtype=torch.bfloat16, device="cuda"))
+    p = _padded(torch.empty(3, 200, 200, dtype=torch.bfloat16, device="cuda"))
+    out = torch.empty(3, 200, 1000, dtype=torch.bfloat16, device="cuda")
+
+    def body():
+        gram_module._launch(x, x, None, a, 1.0, 0.0, 0.0, False, GRAM_TMA_CONFIGS[0])
+        gram_module._launch(a, a, a, p, 0.506, -2.77, 0.0, False, GRAM_TMA_CONFIGS[0])
+        poly_apply_module._launch(p, x, out, 3.89, POLY_TMA_CONFIGS[0])
+
+    body()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    x.copy_(_bf16_input(3, 200, 1000, True, seed=9))
+    graph.replay()
+    got = out.clone()
+    body()
+    assert torch.equal(got, out)
+    _check_apply(out, p, x, 3.89)
 
 
 # Measured on the H200 (bf16 randn, torch 2.11 / triton 3.6): relative RMS error against
