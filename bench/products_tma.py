@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import platform
+import tempfile
 import time
 
 # (workload, label, batch, rows, cols, transposed): stored matrices are rows x cols; for the
@@ -117,15 +118,27 @@ def _compile_task(task) -> None:
     """Runs one config of one product once in a worker process: Triton compiles it into its
     on-disk cache, where the timing process then finds it (compiles run in parallel)."""
     shape_index, product, config_index = task
-    run, configs = _worker_launchers(shape_index)[product]
+    stored, launchers = _worker_launchers(shape_index)
     with contextlib.suppress(Exception):  # reported by the timing process, which runs it again
-        run(configs[config_index])
+        if product == "orthogonalize":  # the tuner's scratch batches specialize other variants
+            from muon_offload.kernels.orthogonalize import orthogonalize
+
+            orthogonalize(stored)
+        else:
+            run, configs = launchers[product]
+            run(configs[config_index])
 
 
 @functools.lru_cache(maxsize=1)
 def _worker_launchers(shape_index: int):
-    _, x, a, p = _operands(*SHAPES[shape_index][2:])
-    return _launchers(x, a, p)
+    stored, x, a, p = _operands(*SHAPES[shape_index][2:])
+    return stored, _launchers(x, a, p)
+
+
+def _worker_init(cache_dir: str) -> None:
+    # Tuning decisions made here (under the other workers' load) go to a scratch directory:
+    # the timing process tunes again, from compiled kernels.
+    os.environ["MUON_OFFLOAD_CACHE_DIR"] = cache_dir
 
 
 def precompile(shape_indices, jobs: int) -> None:
@@ -139,9 +152,12 @@ def precompile(shape_indices, jobs: int) -> None:
         "apply": len(poly_apply.POLY_APPLY_CONFIGS),
     }
     tasks = [(i, k, c) for i in shape_indices for k, n in counts.items() for c in range(n)]
-    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        for _ in pool.imap_unordered(_compile_task, tasks):
-            pass
+    tasks += [(i, "orthogonalize", 0) for i in shape_indices]
+    with tempfile.TemporaryDirectory() as cache_dir:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(jobs, initializer=_worker_init, initargs=(cache_dir,)) as pool:
+            for _ in pool.imap_unordered(_compile_task, tasks):
+                pass
 
 
 def bench_shape(workload, label, batch, rows, cols, transposed, reps_ms):
