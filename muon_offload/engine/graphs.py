@@ -7,7 +7,7 @@ issues them all at once. What a step passes to its launches by value, the graph 
   from the step's scalar table (``scalars.py``), which every step, eager or replayed, fills;
 - everything else the graph captured by address or as a constant is the graph's key
   (``step_key``): the plan, every parameter's and gradient's address, shape and dtype, every
-  state tensor's address, the staging ring, the scalar table's buffer, the backend and what
+  state tensor's address, the staging arena, the scalar table's buffer, the backend and what
   each group's launches take as constants (``Algorithm.baked``: Muon's nesterov, ``adjust_lr``,
   ...). While the key holds, the graph replays; when it changes, the graph is dropped, the
   next step runs eagerly and the one after captures again. A plan made afresh (state created
@@ -49,7 +49,7 @@ class GraphKey(NamedTuple):
     params: tuple  # each parameter's address, shape, dtype
     grads: tuple  # each gradient's address, shape, dtype
     state: tuple  # each state tensor's address
-    staging: tuple  # the staging ring's buffers
+    staging: tuple  # the staging arena: address and size (the chunks' places depend on it)
     table: tuple  # the scalar table's buffer: address, size
     baked: tuple  # backend; each group's algorithm and what its launches hold as constants
 
@@ -60,7 +60,7 @@ WHAT = {
     "grads": "the gradients' addresses, shapes or dtypes (keep them in place: "
     "zero_grad(set_to_none=False))",
     "state": "the state tensors' addresses",
-    "staging": "the staging buffers",
+    "staging": "the staging arena",
     "table": "the scalar table",
     "baked": "a setting the launches take as a constant (backend, nesterov, adjust_lr, ...)",
 }
@@ -85,7 +85,7 @@ def step_key(
         params=(tuple(map(Tensor.data_ptr, params)), work.shapes, work.dtypes),
         grads=(tuple(map(Tensor.data_ptr, grads)), work.shapes, work.grad_dtypes),
         state=tuple(map(Tensor.data_ptr, tensors)),
-        staging=tuple(map(Tensor.data_ptr, staging)),
+        staging=tuple((t.data_ptr(), t.numel()) for t in staging),
         table=(table.data_ptr(), table.numel()),
         baked=baked,
     )
@@ -285,7 +285,7 @@ class GraphMixin:
             return
         if self._graphs is None or self._graphs.device != sched.device:
             self._graphs = StepGraphs(sched.device)
-        sched.prepare(transfers)  # the staging ring as this step uses it, for the key
+        sched.prepare(transfers)  # the staging arena as this step uses it, for the key
         table = self._scalars.buffer if self._scalars is not None else None
         if table is None:
             key, why = None, "the step runs no Triton kernels"

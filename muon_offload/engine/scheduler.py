@@ -5,12 +5,26 @@ and writes it back, with the three stages of consecutive chunks overlapped.
     compute stream         | upd 0  | upd 1  | upd 2  | upd 3 ...
     d2h stream                      | store 0| store 1| store 2 ...
 
-It owns its streams, events and staging buffers, all created once and reused. Ordering is by
+It owns its streams, events and staging arena, all created once and reused. Ordering is by
 events only (no host sync inside a step): a chunk's update waits for its load, its store waits
-for its update, and a staging slot is loaded again only after its previous store finished.
+for its update, and a load waits for the stores of the earlier chunks whose staging bytes it
+overwrites.
+
+Staging is one device buffer (the arena) of ``ring`` x the largest chunk (rounded up to
+ARENA_ALIGN) in which the streamed chunks of a step take byte ranges one after another,
+wrapping to the start when the next one would not fit (``place``). Loads run ahead as far as
+bytes allow, not a fixed count of chunks. Why: the ring of three slots it replaces let a load
+run only two chunks ahead, and a 128 MiB AdamW chunk held a slot sized to a 224 MiB Muon
+matrix. On an H200 (llama3-8b-fsdp8-rank, 128 MiB chunks), spreading AdamW chunks among the
+Muon ones made the transfer-bound 8-layer step slower with that ring (0.0545 -> 0.0653 s,
+floor 0.040 s): during an ~8 ms Muon update only two small loads could run. Cost: the memory
+the ring took (up to ARENA_ALIGN a slot more), and three events a streamed chunk of the
+largest plan seen instead of three a slot.
+
 Without a CUDA device the same code runs with plain copies and no streams, so CI tests the
 logic of the pipeline. A step captured as a CUDA graph (``graphs.py``) runs this same code under
-capture: the side streams fork from the capturing stream and join back into it.
+capture: the side streams fork from the capturing stream and join back into it, and every wait
+names an event recorded earlier in the same step.
 """
 
 from __future__ import annotations
@@ -97,28 +111,80 @@ def plan_transfer(
     return Transfer(tuple(runs), tuple(views), align_up(cursor))
 
 
+ARENA_ALIGN = 4096  # each chunk starts on it: a multiple of ALIGN_BYTES, so the residues
+# plan_transfer gives runs modulo ALIGN_BYTES (the host alignment) hold in the arena too
+assert ARENA_ALIGN % ALIGN_BYTES == 0
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Where each streamed chunk of a step lies in the arena, and what its load waits for."""
+
+    offsets: tuple[int, ...]  # each chunk's first byte in the arena
+    waits: tuple[tuple[int, ...], ...]  # earlier chunks whose stores the chunk's load must follow
+    issue_after: tuple[int, ...]  # the latest of them (-1: none): the load waits for its store
+    # (stores run in order on one stream) and is queued once the host has queued that store
+
+
+def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
+    """Lay chunks of ``sizes`` bytes (in run order) into an arena of ``arena_bytes``: each
+    starts where the previous one ended, rounded up to ARENA_ALIGN, or at 0 when it would not
+    fit before the end. A chunk's load waits for the latest earlier chunk holding each of its
+    bytes; every earlier chunk that shares a byte with it is then ordered before it, directly
+    or through that chunk's own load (its store follows its load). Pure: tested without a GPU.
+    """
+    offsets, waits = [], []
+    owners: list[tuple[int, int, int]] = []  # (start, end, chunk): the latest holder, disjoint
+    cursor = 0
+    for k, n in enumerate(sizes):
+        if n > arena_bytes:
+            raise ValueError(f"chunk {k} needs {n} staging bytes, the arena has {arena_bytes}")
+        start = align_up(cursor, ARENA_ALIGN)
+        if start + n > arena_bytes:
+            start = 0
+        end = start + n
+        hit = [o for o in owners if o[0] < end and start < o[1]]
+        waits.append(tuple(sorted({o[2] for o in hit})))
+        kept = [o for o in owners if not (o[0] < end and start < o[1])]
+        for s, e, j in hit:  # the parts of overwritten ranges outside the new one stay theirs
+            if s < start:
+                kept.append((s, start, j))
+            if e > end:
+                kept.append((end, e, j))
+        if n:
+            kept.append((start, end, k))
+        owners = kept
+        offsets.append(start)
+        cursor = end
+    return ArenaLayout(tuple(offsets), tuple(waits), tuple(max(w, default=-1) for w in waits))
+
+
 class StreamScheduler:
-    """Runs chunks through load -> update -> store with a ring of staging buffers."""
+    """Runs chunks through load -> update -> store, staged in one arena of device bytes."""
 
     def __init__(self, device: torch.device, ring: int = 3):
         if ring < 2:
-            raise ValueError(f"the staging ring needs at least 2 buffers, got {ring}")
+            raise ValueError(f"the staging arena needs room for at least 2 chunks, got {ring}")
         self.device = torch.device(device)
-        self.ring = ring
+        self.ring = ring  # the arena holds ``ring`` chunks of the largest size
         self.cuda = self.device.type == "cuda"
-        self._staging: list[Tensor] = []
-        self._staging_bytes = 0
-        # Each streamed chunk's views and run slices of its staging slot, for the
-        # ``transfers`` of the last ``run`` (the optimizer passes the same list while its plan
-        # holds): rebuilt when the transfers or the staging buffers change.
+        self._arena: Tensor | None = None
+        # For the ``transfers`` of the last ``run`` (the optimizer passes the same list while its
+        # plan holds): the streamed chunks, their sizes, their layout in the arena, and each
+        # one's views and run slices of it; rebuilt when the transfers or the arena change.
         self._views_for: Sequence[Transfer | None] | None = None
+        self._streamed: list[int] = []
+        self._position: dict[int, int] = {}  # chunk index -> its place among the streamed
+        self._sizes: list[int] = []
+        self._layout: ArenaLayout | None = None
         self._view_cache: dict[int, tuple[tuple[Tensor, ...], tuple]] = {}
+        # One (loaded, updated, stored) event each a streamed chunk, grown with the plans.
+        self._loaded: list = []
+        self._updated: list = []
+        self._stored: list = []
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
-            make_events = lambda: [torch.cuda.Event() for _ in range(ring)]  # noqa: E731
-            self._loaded, self._updated, self._stored = make_events(), make_events(), make_events()
-            self._stored_once = [False] * ring
         # When set to a list, each step appends (chunk, stage, start, end) per chunk and stage
         # ("load", "update", "store"): CUDA events on the GPU, perf_counter seconds on the CPU.
         # None (default) records nothing. ``timeline_rows`` turns it into milliseconds.
@@ -126,63 +192,67 @@ class StreamScheduler:
 
     @property
     def staging_bytes(self) -> int:
-        return self._staging_bytes * len(self._staging)
+        return self._arena.numel() if self._arena is not None else 0
 
     def reserve(self, nbytes: int, slots: int) -> None:
-        """Size the ring for the largest chunk (and no more slots than there are chunks);
+        """Size the arena for ``slots`` chunks (at most ``ring``) of up to ``nbytes`` each;
         reallocates only when it must grow."""
-        slots = min(self.ring, max(slots, 1))
-        if nbytes <= self._staging_bytes and slots <= len(self._staging):
+        need = min(self.ring, max(slots, 1)) * align_up(nbytes, ARENA_ALIGN)
+        if self._arena is not None and need <= self._arena.numel():
             return
-        nbytes = max(nbytes, self._staging_bytes)
-        slots = max(slots, len(self._staging))
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()  # old slots may be in flight
-        self._staging = []  # drop the old buffers before taking new ones
-        self._staging = [
-            torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(slots)
-        ]
-        self._staging_bytes = nbytes
-        self._view_cache.clear()
-        if self.cuda:
-            self._stored_once = [False] * self.ring
+        if self.cuda and self._arena is not None:
+            # The old arena may be in flight (loads, updates, stores of earlier steps, on
+            # whichever stream ran them).
+            torch.cuda.synchronize(self.device)
+        self._view_cache.clear()  # its views hold the old arena
+        self._layout = None
+        self._arena = None  # freed before the new one is taken
+        self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
 
     def prepare(self, transfers: Sequence[Transfer | None]) -> list[int]:
-        """Size the ring for ``transfers`` (``run`` does it too; a graph's key reads the
-        staging buffers after it); return the streamed chunks' indices."""
-        streamed = [i for i, t in enumerate(transfers) if t is not None]
-        self.reserve(max((t.nbytes for t in transfers if t is not None), default=0), len(streamed))
+        """Size the arena and lay ``transfers`` out in it (``run`` does it too; a graph's key
+        reads the arena after it); return the streamed chunks' indices."""
         if transfers is not self._views_for:
             self._views_for = transfers
+            self._streamed = [i for i, t in enumerate(transfers) if t is not None]
+            self._position = {i: k for k, i in enumerate(self._streamed)}
+            self._sizes = [transfers[i].nbytes for i in self._streamed]
+            self._layout = None
             self._view_cache.clear()
-        return streamed
+        self.reserve(max(self._sizes, default=0), len(self._sizes))
+        if self._layout is None:
+            self._layout = place(self._sizes, self.staging_bytes)
+            if self.cuda:
+                for events in (self._loaded, self._updated, self._stored):
+                    events.extend(torch.cuda.Event() for _ in range(len(self._sizes) - len(events)))
+        return self._streamed
 
     @property
     def staging_buffers(self) -> tuple[Tensor, ...]:
-        return tuple(self._staging)
+        return () if self._arena is None else (self._arena,)
+
+    @property
+    def layout(self) -> ArenaLayout | None:
+        """The arena layout of the last prepared ``transfers``."""
+        return self._layout
 
     def forget_events(self) -> None:
-        """Drop the waits on earlier steps' stores, around a CUDA graph capture: waits inside a
-        capture may only name events recorded in it. Safe: a step's first loads already follow
-        the previous step's stores, since ``run`` ends with the compute stream waiting for the
-        store stream and starts with the load stream waiting for the compute stream; a graph's
+        """Around a CUDA graph capture, waits may only name events recorded in it. Nothing to
+        drop: every wait of a step names an event recorded earlier in the same step (a load
+        waits for stores of that step's earlier chunks). A step's first loads follow the
+        previous step's stores through the compute stream instead: ``run`` ends with the compute
+        stream waiting for both side streams and starts with them waiting for it; a graph's
         replays run in order on one stream, so each one's loads follow the last one's stores."""
-        if self.cuda:
-            self._stored_once = [False] * self.ring
 
-    def _views(self, chunk: int, slot: int, transfer: Transfer) -> tuple[Tensor, ...]:
-        return self._staged(chunk, slot, transfer)[0]
-
-    def _copies(self, chunk: int, slot: int, transfer: Transfer) -> tuple[tuple[Tensor, Tensor]]:
-        """(host bytes, staging bytes) of each run of the chunk: what its load and store copy."""
-        return self._staged(chunk, slot, transfer)[1]
-
-    def _staged(self, chunk: int, slot: int, transfer: Transfer):
-        """The chunk's tensor views and run slices in its staging slot, made once per
-        ``transfers`` and staging ring (slicing costs microseconds a call, chunks a step)."""
+    def _staged(self, chunk: int) -> tuple[tuple[Tensor, ...], tuple]:
+        """The chunk's tensor views and (host bytes, arena bytes) of each run in the arena,
+        made once per ``transfers`` and arena (slicing costs microseconds a call, chunks a
+        step)."""
         staged = self._view_cache.get(chunk)
         if staged is None:
-            buf = self._staging[slot]
+            transfer = self._views_for[chunk]
+            base = self._layout.offsets[self._position[chunk]]
+            buf = self._arena[base : base + transfer.nbytes]
             views = tuple(
                 buf[off : off + shape.numel() * dtype.itemsize].view(dtype).view(shape)
                 for off, shape, dtype in transfer.views
@@ -204,21 +274,19 @@ class StreamScheduler:
         ``views`` are the same tensors at every ``run`` of the same ``transfers``: read them,
         never change them.
         """
-        streamed = self.prepare(transfers)
-        slot_of = {chunk: k % len(self._staging) for k, chunk in enumerate(streamed)}
+        self.prepare(transfers)
         if not self.cuda:
             for i, transfer in enumerate(transfers):
                 if transfer is None:
                     update(i, None)
                     continue
-                slot = slot_of[i]
-                copies = self._copies(i, slot, transfer)
+                views, copies = self._staged(i)
                 marks = self._mark(i, "load", None)
                 for host, staged in copies:
                     staged.copy_(host)
                 self._end_mark(marks, None)
                 marks = self._mark(i, "update", None)
-                update(i, self._views(i, slot, transfer))
+                update(i, views)
                 self._end_mark(marks, None)
                 marks = self._mark(i, "store", None)
                 for host, staged in copies:
@@ -228,11 +296,12 @@ class StreamScheduler:
 
         compute = torch.cuda.current_stream(self.device)
         # Loads may start once everything queued so far on the compute stream (this step's
-        # gradients, the previous step's updates) is done with the staging buffers.
+        # gradients, the previous step's updates and, through its join, stores) is done with
+        # the arena.
         self.h2d_stream.wait_stream(compute)
         self.d2h_stream.wait_stream(compute)
         try:
-            self._run_streams(transfers, update, streamed, slot_of, compute)
+            self._run_streams(transfers, update, compute)
         finally:
             # Also after an error: what follows on the compute stream sees every stored chunk.
             # Both side streams join back, so that a capture of the step (graphs.py) ends with
@@ -240,45 +309,53 @@ class StreamScheduler:
             compute.wait_stream(self.d2h_stream)
             compute.wait_stream(self.h2d_stream)
 
-    def _run_streams(self, transfers, update, streamed, slot_of, compute) -> None:
+    def _run_streams(self, transfers, update, compute) -> None:
+        streamed, issue_after = self._streamed, self._layout.issue_after
         next_load = 0
-        if streamed:
-            self._load(streamed[0], slot_of[streamed[0]], transfers)
-            next_load = 1
+
+        def issue(stored: int) -> None:
+            """Queue, in order, the loads whose waits name only stores already queued (chunks
+            up to ``stored``): as far ahead as the arena's bytes allow."""
+            nonlocal next_load
+            while next_load < len(streamed) and issue_after[next_load] <= stored:
+                self._load(next_load, streamed[next_load])
+                next_load += 1
+
+        issue(-1)
         for i, transfer in enumerate(transfers):
             if transfer is None:
                 update(i, None)
                 continue
-            slot = slot_of[i]
-            if next_load < len(streamed):
-                ahead = streamed[next_load]
-                self._load(ahead, slot_of[ahead], transfers)
-                next_load += 1
-            compute.wait_event(self._loaded[slot])
+            k = self._position[i]
+            # Chunk k's load is queued: its waits name chunks before k, all stored by now.
+            views, copies = self._staged(i)
+            compute.wait_event(self._loaded[k])
             marks = self._mark(i, "update", compute)
-            update(i, self._views(i, slot, transfer))
+            update(i, views)
             self._end_mark(marks, compute)
-            self._updated[slot].record(compute)
+            self._updated[k].record(compute)
             with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(self._updated[slot])
+                self.d2h_stream.wait_event(self._updated[k])
                 marks = self._mark(i, "store", self.d2h_stream)
-                for host, staged in self._copies(i, slot, transfer):
+                for host, staged in copies:
                     host.copy_(staged, non_blocking=True)
                 self._end_mark(marks, self.d2h_stream)
-                self._stored[slot].record(self.d2h_stream)
-                self._stored_once[slot] = True
+                self._stored[k].record(self.d2h_stream)
+            issue(k)
 
-    def _load(self, chunk: int, slot: int, transfers: Sequence[Transfer | None]) -> None:
+    def _load(self, k: int, chunk: int) -> None:
         with torch.cuda.stream(self.h2d_stream):
-            if self._stored_once[slot]:
-                # The slot's previous chunk must be written back (and so done being
-                # updated) before new bytes land in it.
-                self.h2d_stream.wait_event(self._stored[slot])
+            after = self._layout.issue_after[k]
+            if after >= 0:
+                # The chunks whose bytes this load takes must be written back (and so done
+                # being updated) first. Stores run in order on one stream: waiting for the
+                # latest of them waits for them all.
+                self.h2d_stream.wait_event(self._stored[after])
             marks = self._mark(chunk, "load", self.h2d_stream)
-            for host, staged in self._copies(chunk, slot, transfers[chunk]):
+            for host, staged in self._staged(chunk)[1]:
                 staged.copy_(host, non_blocking=True)
             self._end_mark(marks, self.h2d_stream)
-            self._loaded[slot].record(self.h2d_stream)
+            self._loaded[k].record(self.h2d_stream)
 
     def _mark(self, chunk: int, stage: str, stream):
         if self.timeline is None:
