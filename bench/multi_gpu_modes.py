@@ -41,7 +41,7 @@ def timed(step: Callable[[], object], ctx, warmup: int, base: int) -> dict:
 
 def streamed_over_ranks(opt) -> dict:
     """Each rank's host state bytes (what its offloaded step streams each way) and the largest
-    host state and staging ring over ranks. Every rank calls it."""
+    host state and staging arena over ranks. Every rank calls it."""
     host = everyone(opt.host_state_bytes)
     staging = everyone(opt.staging_bytes)
     return {

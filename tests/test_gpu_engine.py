@@ -9,7 +9,7 @@ pytestmark = pytest.mark.cuda
 
 
 def _race_model(seed):
-    """Little arithmetic, much state: many chunks cycle through the staging ring while the
+    """Little arithmetic, much state: many chunks cycle through the staging arena while the
     copies run long, so a missing event shows up as a wrong (or torn) update."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(128, 512)] * 24 + [(512, 128)] * 8 + [(1 << 21,)] * 6 + [(3001,)]
@@ -38,7 +38,7 @@ def test_offloaded_equals_resident_bitwise_over_50_steps():
     offloaded, o_opt = _run(init, 50, offload=True, **same)
     assert len(o_opt._streamed) == len(init)
     plan = next(iter(o_opt._plans.values()))[0]
-    assert len(plan.chunks) > 10  # the ring of three slots wraps many times per step
+    assert len(plan.chunks) > 10  # the staging arena wraps many times per step
     for a, b in zip(offloaded, resident, strict=True):
         assert torch.equal(a, b)
         for key in o_opt.state[a]:
@@ -76,9 +76,9 @@ def test_step_adds_little_gpu_memory_when_offloaded():
     opt.step()
     torch.cuda.synchronize()
     added = torch.cuda.max_memory_allocated() - base
-    # Three 2 MiB staging slots are already held; the step adds Muon temporaries for one
-    # unit (bf16 U and the orthogonalization's products) and pointer tables: far below the
-    # state it streams.
+    # A staging arena of three 2 MiB chunks is already held; the step adds Muon temporaries
+    # for one unit (bf16 U and the orthogonalization's products) and pointer tables: far
+    # below the state it streams.
     assert added < state_bytes / 4, (added, state_bytes)
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cuda
 
 def _model(seed=0):
     """Matrices of two shapes and long vectors: with 1 MiB chunks, offloaded steps run
-    several chunks and the staging ring wraps inside a step."""
+    several chunks and the staging arena wraps inside a step."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(128, 512)] * 8 + [(512, 128)] * 4 + [(1 << 20,)] * 2 + [(3001,)]
     return [torch.randn(s, generator=gen) for s in shapes]

@@ -58,7 +58,7 @@ def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
             budget = resident_chunk_bytes
         # Over budget only as a lone oversized muon unit, or by less than one aligned
         # element-wise cut when the budget is smaller than that. Only streamed parameters
-        # are reported as oversized (they size the staging ring).
+        # are reported as oversized (they size the staging arena).
         if chunk.plan_bytes > max(budget, SEGMENT_ALIGN * 8):
             assert len(chunk.units) == 1 and isinstance(chunk.units[0], MuonUnit)
             assert len(chunk.units[0].params) == 1

@@ -3,7 +3,7 @@
 - ``optimizer.py``: ``ChunkedOptimizer``, the torch ``Optimizer`` that checks a step, creates
   state, plans it, and runs the chunks; algorithms plug in through ``algorithm.py``.
 - ``planner.py``: pure Python; cuts a step into units and chunks of ``chunk_bytes``.
-- ``scheduler.py``: owns the side streams, events and staging ring; load, update, store.
+- ``scheduler.py``: owns the side streams, events and staging arena; load, update, store.
 - ``state.py`` / ``host_slabs.py``: where state lives; pinned host slabs allocated once.
 - ``settings.py``: the constructor arguments, checked.
 - ``chunks.py``: one chunk's state in order, its units run as tasks.

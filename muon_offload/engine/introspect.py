@@ -26,7 +26,7 @@ class ToolsSurface:
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of the device staging ring (0 before the first offloaded step)."""
+        """Bytes of the device staging arena (0 before the first offloaded step)."""
         return self._scheduler.staging_bytes if self._scheduler is not None else 0
 
     @contextlib.contextmanager
@@ -57,7 +57,7 @@ class ToolsSurface:
         self, chunk_bytes: int | None = None, resident_chunk_bytes: int | None = None
     ) -> None:
         """Other chunk budgets for the same state: the next step plans afresh and sizes a new
-        staging ring. State stays where it is."""
+        staging arena. State stays where it is."""
         for name, value in (
             ("chunk_bytes", chunk_bytes),
             ("resident_chunk_bytes", resident_chunk_bytes),

@@ -133,7 +133,7 @@ def plan_step(
         part = [p for p in params if p.resident == resident]
         budget = resident_chunk_bytes if resident else chunk_bytes
         packer = _Packer(budget, resident)
-        # Only a streamed parameter over budget is worth a notice: it sizes the staging ring.
+        # Only a streamed parameter over budget is worth a notice: it sizes the staging arena.
         for item in _units_in_order(part, budget, [] if resident else oversized):
             if isinstance(item, MuonUnit):
                 packer.add_muon(item)

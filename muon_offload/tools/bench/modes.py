@@ -215,7 +215,7 @@ def run_modes(specs, args, clock: Clock, progress, *, warmup: int, steps: int, f
 
 def streamed(opt) -> dict:
     """What one of our offloaded optimizers streams each way a step: the host bytes of its state
-    (codes and scales for 8-bit state), and its device staging ring."""
+    (codes and scales for 8-bit state), and its device staging arena."""
     return {
         "streamed_bytes": opt.host_state_bytes,
         "host_state_gib": opt.host_state_bytes / GIB,
