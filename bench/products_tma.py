@@ -162,7 +162,7 @@ def precompile(shape_indices, jobs: int) -> None:
 
 def bench_shape(workload, label, batch, rows, cols, transposed, reps_ms):
     import torch
-    from muon_offload.kernels import _launch
+    from muon_offload.kernels import _launch, _tma
     from muon_offload.kernels.orthogonalize import orthogonalize
 
     m, n = min(rows, cols), max(rows, cols)
@@ -170,7 +170,7 @@ def bench_shape(workload, label, batch, rows, cols, transposed, reps_ms):
     assert x.shape == (batch, m, n)
     launchers = _launchers(x, a, p)
     results = []
-    tma_x, tma_a = _launch.tma_layout(x) is not None, _launch.tma_layout(a) is not None
+    tma_x, tma_a = _tma.tma_layout(x) is not None, _tma.tma_layout(a) is not None
     cases = (
         ("gram", 2 * m * m * n, lambda: a, *launchers["gram"], tma_x),
         ("poly", 2 * m**3, lambda: p, *launchers["poly"], tma_a),

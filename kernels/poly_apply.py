@@ -27,12 +27,9 @@ from ._launch import (
     bench_ms,
     bucket,
     dtype_name,
-    persistent_grid,
-    tensor_descriptor,
-    tma_enabled,
-    tma_layout,
     tuning_batch,
 )
+from ._tma import persistent_grid, tensor_descriptor, tma_enabled, tma_layout
 from .gram import MAX_GRID_Y, _scratch
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).

@@ -28,7 +28,7 @@ if os.environ.pop("TRITON_INTERPRET", None) == "1":
 import muon_offload.kernels  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
-from muon_offload.kernels import _launch  # noqa: E402
+from muon_offload.kernels import _launch, _tma  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, mangle_type  # noqa: E402
@@ -175,7 +175,7 @@ def drive_tma() -> None:
             gram_configs, poly_configs = gram_configs[:1], poly_configs[:1]
         for config in gram_configs:
             for x in layouts(2, 200, 264, dtype):
-                assert _launch.tma_layout(x) is not None
+                assert _tma.tma_layout(x) is not None
                 out = torch.zeros(2, 200, 200, dtype=dtype)
                 # Polar Express: X X^T; Gram Newton-Schulz: R = X X^T symmetrized, S T.
                 gram._launch(x, x, None, out, 1.0, 0.0, 0.0, False, config)

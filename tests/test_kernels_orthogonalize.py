@@ -9,7 +9,7 @@ import pytest
 import torch
 from _kernel_utils import DEVICES as KERNEL_DEVICES
 from _kernel_utils import bf16_ulp, randn
-from muon_offload.kernels import _launch
+from muon_offload.kernels import _launch, _tma
 from muon_offload.kernels import gram as gram_module
 from muon_offload.kernels import poly_apply as poly_apply_module
 from muon_offload.kernels.gram import sym_gram, sym_gram_reference
@@ -378,7 +378,7 @@ def test_tma_configs_offered_by_layout_never_by_batch(monkeypatch, make, tma):
     """TMA configs reach the tuner only for layouts TMA reads, the flag in the key; a matrix
     alone is offered the same configs under the same key as its batch."""
     x = make()
-    assert (_launch.tma_layout(x) is not None) == tma
+    assert (_tma.tma_layout(x) is not None) == tma
     for t in (x, x[2:3]):
         key, configs = _offered(monkeypatch, sym_gram, t)
         assert key[-1] is tma and any(c.tma for c in configs) is tma
@@ -426,7 +426,7 @@ def test_sym_gram_tma_configs_match_reference(config, transposed, m, k):
     layout: X X^T, then b A + c A A on it, then Gram Newton-Schulz's product with w, a I and
     symmetrize; NaN-poisoned outputs. A matrix alone has the bits it has in a batch of 5."""
     x = _bf16_input(5, m, k, transposed, seed=m + k)
-    assert _launch.tma_layout(x) is not None
+    assert _tma.tma_layout(x) is not None
     gram = _poisoned((5, m, m), torch.bfloat16, "cuda")
     gram_module._launch(x, x, None, gram, 1.0, 0.0, 0.0, False, config)
     _check_gram(gram, x)
@@ -435,7 +435,7 @@ def test_sym_gram_tma_configs_match_reference(config, transposed, m, k):
     assert torch.equal(alone[0], gram[3])
 
     a = _padded(gram[:3])
-    assert _launch.tma_layout(a) is not None
+    assert _tma.tma_layout(a) is not None
     poly = _poisoned((3, m, m), torch.bfloat16, "cuda")
     gram_module._launch(a, a, a, poly, 0.506, -2.77, 0.0, False, config)
     _check_gram(poly, a, alpha=0.506, y=a, beta=-2.77)
@@ -462,7 +462,7 @@ def test_poly_apply_tma_configs_match_reference(config, transposed, m, n):
     with padded rows (or column-major), alpha X and none; a matrix alone equals its batch's."""
     x = _bf16_input(5, m, n, transposed, seed=m * n)
     poly = _padded(sym_gram_reference(x, alpha=0.8, symmetrize=True))  # bitwise symmetric
-    assert _launch.tma_layout(x) is not None and _launch.tma_layout(poly) is not None
+    assert _tma.tma_layout(x) is not None and _tma.tma_layout(poly) is not None
     for alpha in (3.8917, 0.0):
         out = _poisoned((5, m, n), torch.bfloat16, "cuda")
         poly_apply_module._launch(poly, x, out, alpha, config)
