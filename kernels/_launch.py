@@ -291,11 +291,11 @@ class Tuner:
             path = self.cache_path(device)
             self._load(path)
             hit = self._memory.get(name)
-        if hit is not None and not (force or self.retune):
+        cached = _cached_config(hit, configs)
+        if cached is not None and not (force or self.retune):
             self.last[kernel] = {"key": name, **hit}
-            fast = Config(**hit["config"])
-            self._chosen[fast_key] = fast
-            return fast
+            self._chosen[fast_key] = cached
+            return cached
         if bench is None:
             return configs[0]
         if capturing(device):
@@ -327,6 +327,17 @@ class Tuner:
 
 
 TUNER = Tuner()
+
+
+def _cached_config(entry, configs: Sequence[Config]) -> Config | None:
+    """The config a cache entry names, when it is one of today's candidates; None for an entry
+    that another version of the package wrote (a field this one lacks, a config it no longer
+    offers) or that is malformed: the key is then tuned again, never failed on."""
+    try:
+        config = Config(**entry["config"])
+    except (TypeError, KeyError):
+        return None
+    return config if config in configs else None
 
 
 def bench_ms(fn: Callable[[], None], reps: int = 20) -> float:
