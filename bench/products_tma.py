@@ -8,7 +8,8 @@ their ``.mT`` view as ``orthogonalize`` does), each config of ``GRAM_CONFIGS`` a
 ``A = X X^T`` (``sym_gram``, K = n), ``b A + c A A`` (``sym_gram`` with y, K = m) and
 ``a X + B X`` (``poly_apply``), beside the same products on cuBLAS (``torch.bmm`` /
 ``baddbmm``). TMA configs run only where the layout allows them (``tma_layout``). Then a whole
-``orthogonalize`` (the tuner's choices) per shape class. Times: medians of
+``orthogonalize`` (the tuner's choices, TMA configs among them: ``MUON_OFFLOAD_TMA=1`` unless
+set otherwise) per shape class. Times: medians of
 ``triton.testing.do_bench``; TFLOP/s count the full products (2 m^2 n, 2 m^3, 2 m^2 n;
 5 (4 m^2 n + 2 m^3) per Polar Express). ``err``: max |config - cuBLAS| / max |cuBLAS|, a
 check that each config computes the product (bf16 roundings apart). Every variant is
@@ -248,6 +249,7 @@ def main(argv=None) -> int:
         "--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile processes"
     )
     args = parser.parse_args(argv)
+    os.environ.setdefault("MUON_OFFLOAD_TMA", "1")  # opt-in in the package; compared here
 
     import torch
     import triton

@@ -28,8 +28,14 @@ def persistent_grid(items: int, config: Config, device: torch.device) -> int:
 
 
 def tma_enabled() -> bool:
-    """``MUON_OFFLOAD_TMA=0`` keeps the TMA configs out of tuning (the pointer kernels only)."""
-    return os.environ.get("MUON_OFFLOAD_TMA", "1") != "0"
+    """``MUON_OFFLOAD_TMA=1`` adds the TMA configs to the candidates; off by default. Why: on
+    the H200 (triton 3.6) the TMA products are ~10% faster on the GPU, but each of their
+    launches costs the host ~0.1 ms more (descriptors built at launch): the eager resident
+    qwen3 step's host time went 0.053 -> 0.111 s, and the eager offloaded one, which issues
+    ~16 times the launches and waits on the host, went 0.351 -> 0.368 s (docs/benchmarks.md,
+    session 7). On until that cost is gone, it would slow the default (eager, offloaded) step;
+    with ``cuda_graph=True`` or a GPU-bound resident step, opt in."""
+    return os.environ.get("MUON_OFFLOAD_TMA", "0") == "1"
 
 
 def tma_layout(t: Tensor) -> bool | None:

@@ -376,7 +376,9 @@ def _offered(monkeypatch, fn, *args, **kwargs):
 )
 def test_tma_configs_offered_by_layout_never_by_batch(monkeypatch, make, tma):
     """TMA configs reach the tuner only for layouts TMA reads, the flag in the key; a matrix
-    alone is offered the same configs under the same key as its batch."""
+    alone is offered the same configs under the same key as its batch. They are opt-in
+    (``MUON_OFFLOAD_TMA=1``): unset or 0, the pointer kernels only."""
+    monkeypatch.setenv("MUON_OFFLOAD_TMA", "1")
     x = make()
     assert (_tma.tma_layout(x) is not None) == tma
     for t in (x, x[2:3]):
@@ -389,9 +391,13 @@ def test_tma_configs_offered_by_layout_never_by_batch(monkeypatch, make, tma):
         assert key[-1] is tma and any(c.tma for c in configs) is tma
     gram_keys = {_offered(monkeypatch, sym_gram, t)[0] for t in (x, x[2:3], x[1:4])}
     assert len(gram_keys) == 1
-    monkeypatch.setenv("MUON_OFFLOAD_TMA", "0")  # the switch: pointer kernels only
-    key, configs = _offered(monkeypatch, sym_gram, x)
-    assert key[-1] is False and not any(c.tma for c in configs)
+    for value in (None, "0"):  # the default, and the switch off: pointer kernels only
+        if value is None:
+            monkeypatch.delenv("MUON_OFFLOAD_TMA")
+        else:
+            monkeypatch.setenv("MUON_OFFLOAD_TMA", value)
+        key, configs = _offered(monkeypatch, sym_gram, x)
+        assert key[-1] is False and not any(c.tma for c in configs)
 
 
 GRAM_TMA_CONFIGS = [c for c in gram_module.GRAM_CONFIGS if c.tma]
@@ -478,10 +484,11 @@ def test_poly_apply_tma_configs_match_reference(config, transposed, m, n):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("transposed", [False, True])
-def test_tuned_products_batch_invariant_with_tma(transposed):
+def test_tuned_products_batch_invariant_with_tma(transposed, monkeypatch):
     """Through the public launchers (the tuner's choice, TMA configs among the candidates):
     a matrix alone (a batch of one, same layout) gets the bits it gets in a batch of 5, on
     the qwen3 expert shape."""
+    monkeypatch.setenv("MUON_OFFLOAD_TMA", "1")
     x = _bf16_input(5, 768, 2048, transposed, seed=7)
     gram = sym_gram(x)
     assert torch.equal(sym_gram(x[1:2])[0], gram[1])
