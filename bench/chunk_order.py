@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     both_each = bandwidths()["both_each"] * 1e9
     result = {
         "info": {
-            "card": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": machine.triton_version(),
+            "card": machine.card(dev),
+            "driver": machine.driver_version(),
+            **machine.versions(),
             "date": machine.now(),
             "args": vars(args),
             "both_directions_each_gbps": both_each / 1e9,

@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         totals["floor_" + k.removeprefix("products_")] = totals[k] + totals["elementwise"]
     result = {
         "info": {
-            "card": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": machine.triton_version(),
+            "card": machine.card(dev),
+            "driver": machine.driver_version(),
+            **machine.versions(),
             "date": machine.now(),
             "args": vars(args),
         },

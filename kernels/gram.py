@@ -11,9 +11,10 @@ their products are symmetric too (W = the second factor, symmetric, so W^T = W),
 
 Two kernels: one that reads through pointers (any layout, one output tile a program) and,
 for the 16-bit layouts TMA reads (``_tma.tma_layout``), a persistent one whose operands come
-by TMA (``gram_tma.py``, with the tile mapping and epilogue both share). Their configs are candidates of one tuning key, which holds that eligibility: which
-kernel runs follows from shape, dtype and layout, never the batch. Both sum in the same order
-(K steps of ``chunk``, fp32) and share the epilogue.
+by TMA (``gram_tma.py``, with the tile mapping and epilogue both share). Their configs are
+candidates of one tuning key, which holds that eligibility (and ``MUON_OFFLOAD_TMA``, opt-in):
+which kernel runs follows from shape, dtype and layout, never the batch. Both sum in the same
+order (K steps of ``chunk``, fp32).
 
 ``sym_gram`` is the Triton launcher, ``sym_gram_reference`` the torch version it matches.
 """
@@ -58,6 +59,8 @@ GRAM_CONFIGS = (
         block=64, chunk=64, num_warps=4, num_stages=4, tma=True, flatten=True, programs_per_sm=2
     ),
 )
+# Without TMA (a layout it cannot read, or the switch off): made once, not per launch.
+GRAM_POINTER_CONFIGS = tuple(c for c in GRAM_CONFIGS if not c.tma)
 GRAM_INTERPRETER_CONFIG = Config(block=32, chunk=32, num_warps=4, num_stages=1)
 
 # Grid axis 1 (the batch) holds at most this many programs: larger batches launch in slices.
@@ -232,7 +235,7 @@ def sym_gram(
         so = torch.empty(n, m, m, dtype=out.dtype, device=out.device)
         return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config))
 
-    configs = GRAM_CONFIGS if tma else tuple(c for c in GRAM_CONFIGS if not c.tma)
+    configs = GRAM_CONFIGS if tma else GRAM_POINTER_CONFIGS
     config = TUNER.choose("sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, bench)
     w = x if w is None else w
     _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config)

@@ -61,6 +61,8 @@ POLY_APPLY_FP32_CONFIGS = (
     Config(block=128, block_m=64, chunk=32, num_warps=4, num_stages=3),
     Config(block=64, block_m=64, chunk=32, num_warps=4, num_stages=3),
 )
+# Without TMA (a layout it cannot read, or the switch off): made once, not per launch.
+POLY_APPLY_POINTER_CONFIGS = tuple(c for c in POLY_APPLY_CONFIGS if not c.tma)
 POLY_APPLY_INTERPRETER_CONFIG = Config(block=32, block_m=32, chunk=32)
 
 
@@ -314,9 +316,10 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         so = torch.empty(n_batch, m, n, dtype=out.dtype, device=out.device)
         return bench_ms(lambda: _launch(sp, sx, so, alpha, config))
 
-    configs = POLY_APPLY_FP32_CONFIGS if x.element_size() > 2 else POLY_APPLY_CONFIGS
-    if not tma:
-        configs = tuple(c for c in configs if not c.tma)
+    if x.element_size() > 2:
+        configs = POLY_APPLY_FP32_CONFIGS
+    else:
+        configs = POLY_APPLY_CONFIGS if tma else POLY_APPLY_POINTER_CONFIGS
     config = TUNER.choose(
         "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
     )

@@ -192,7 +192,7 @@ class StepGraphs:
             "off": self.off,
         }
 
-    def step(self, key: GraphKey | None, why_not: str, layouts, body, scheduler) -> str:
+    def step(self, key: GraphKey | None, why_not: str, layouts, body) -> str:
         """Run the step's GPU work (``body``): "replay", "capture" (then replayed once),
         or "eager"."""
         if self.off is not None:
@@ -210,7 +210,7 @@ class StepGraphs:
             why_not = changed(key, self._key) if key is not None else why_not
             self.drop()
         elif key is not None and last is not None and last[0] == key:
-            if self._capture(key, layouts, body, scheduler):
+            if self._capture(key, layouts, body):
                 return "capture"
             self._eager(body)  # graphs are off now
             return "eager"
@@ -252,17 +252,16 @@ class StepGraphs:
         finally:
             current.wait_stream(self._stream)
 
-    def _capture(self, key: GraphKey, layouts, body, scheduler) -> bool:
+    def _capture(self, key: GraphKey, layouts, body) -> bool:
+        # Waits under capture may only name events recorded in it: every wait of the
+        # scheduler's step names one recorded earlier in the same step (scheduler.py).
         graph = self._new_graph()
-        scheduler.forget_events()  # no wait on an event recorded outside the capture
         try:
             with TABLES.holding() as tables:
                 graph.capture(body)
         except Exception as err:  # nothing ran: the step runs eagerly instead
             self._give_up(f"the capture failed: {type(err).__name__}: {err}")
             return False
-        finally:
-            scheduler.forget_events()  # its events were recorded inside the capture
         self._graph, self._key, self._holds = graph, key, (layouts, tables)
         self.captures += 1  # misses stay: only a replay of an earlier capture clears them
         graph.replay()
@@ -300,7 +299,7 @@ class GraphMixin:
                 table,
                 self.backend,
             )
-        self._graphs.step(key, why, layouts, body, sched)
+        self._graphs.step(key, why, layouts, body)
 
     def graph_stats(self) -> dict | None:
         """With ``cuda_graph=True``: captures, replays, eager steps, whether a graph is held,

@@ -236,14 +236,6 @@ class StreamScheduler:
         """The arena layout of the last prepared ``transfers``."""
         return self._layout
 
-    def forget_events(self) -> None:
-        """Around a CUDA graph capture, waits may only name events recorded in it. Nothing to
-        drop: every wait of a step names an event recorded earlier in the same step (a load
-        waits for stores of that step's earlier chunks). A step's first loads follow the
-        previous step's stores through the compute stream instead: ``run`` ends with the compute
-        stream waiting for both side streams and starts with them waiting for it; a graph's
-        replays run in order on one stream, so each one's loads follow the last one's stores."""
-
     def _staged(self, chunk: int) -> tuple[tuple[Tensor, ...], tuple]:
         """The chunk's tensor views and (host bytes, arena bytes) of each run in the arena,
         made once per ``transfers`` and arena (slicing costs microseconds a call, chunks a
