@@ -1,5 +1,6 @@
 """The chunk planner: pure Python, checked on random workloads without any tensor."""
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -11,6 +12,7 @@ from muon_offload.engine.planner import (
     ElementwiseUnit,
     MuonUnit,
     ParamInfo,
+    elementwise_only,
     holds_muon,
     plan_step,
 )
@@ -258,3 +260,53 @@ def test_llama3_adamw_chunks_run_among_muon_ones_not_as_a_tail(layers, monkeypat
     assert longest <= -(-n_elementwise // n_muon) + 1, kinds
     assert kinds.rstrip("e").count("e") >= n_elementwise // 2, kinds  # not mostly a tail
     _check_interleaved(plan, _packed(monkeypatch, infos, 128 << 20))
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 9000, 50_000, 10**9])
+def test_elementwise_only_marks_the_chunks_without_muon_units(seed, chunk_bytes):
+    """One flag a chunk, in run order (resident chunks too): True exactly when the chunk
+    holds no muon unit; a chunk with muon units and element-wise ones is not marked."""
+    rng = random.Random(seed)
+    params = _random_params(rng, n=rng.choice([5, 40, 120]), resident_share=[0.0, 0.3][seed % 2])
+    plan = plan_step(params, chunk_bytes, 20_000)
+    flags = elementwise_only(plan)
+    assert len(flags) == len(plan.chunks)
+    for chunk, flag in zip(plan.chunks, flags, strict=True):
+        assert flag == all(isinstance(u, ElementwiseUnit) for u in chunk.units)
+    mixed = [c for c in plan.chunks if holds_muon(c) and len({type(u) for u in c.units}) == 2]
+    assert all(not flags[plan.chunks.index(c)] for c in mixed)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_unmarked_chunks_hold_the_same_muon_units_in_order_on_every_rank(seed):
+    """Ranks whose element-wise shards differ in size (their chunks are cut on local sizes)
+    have the same muon units, in the same order, in the chunks ``elementwise_only`` leaves
+    unmarked: those that the scheduler runs in plan order on the compute stream, where their
+    collectives are issued."""
+    rng = random.Random(seed)
+    params = _random_params(rng, n=80)
+    ranks = [params]
+    for _ in range(2):
+        other = []
+        for p in params:
+            if p.algorithm != "muon":
+                numel = max(1, p.numel + rng.randrange(-p.numel // 2, p.numel))
+                p = dataclasses.replace(
+                    p, numel=numel, plan_bytes=numel * (p.plan_bytes // p.numel)
+                )
+            other.append(p)
+        ranks.append(other)
+    lanes = []
+    for infos in ranks:
+        plan = plan_step(infos, 9000)
+        flags = elementwise_only(plan)
+        lanes.append(
+            [
+                [u for u in c.units if isinstance(u, MuonUnit)]
+                for c, flag in zip(plan.chunks, flags, strict=True)
+                if not flag
+            ]
+        )
+        assert sum(flags) > 0
+    assert lanes[0] == lanes[1] == lanes[2] and lanes[0]

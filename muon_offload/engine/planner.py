@@ -15,6 +15,8 @@ A step's work is cut into *units*, and units are packed into *chunks* of at most
   packed; then the streamed ones, with the chunks that hold only element-wise units spread
   among those that hold muon units (``_interleave``), so that the orthogonalization of muon
   chunks hides the transfers of element-wise ones, which have almost no arithmetic.
+  ``elementwise_only`` names the chunks that hold no muon unit: the scheduler runs their
+  updates on a stream of their own, beside the muon chunks' (scheduler.py).
 - State that stays on the GPU (resident) crosses no bus, so its chunks only sequence the
   work: they take their own budget, ``resident_chunk_bytes``, larger by default (engine.py),
   so that Muon batches are larger and a resident step issues fewer launches.
@@ -147,6 +149,14 @@ def plan_step(
 def holds_muon(chunk: Chunk) -> bool:
     """Whether a chunk holds muon units (and so, under sharding, collectives)."""
     return any(isinstance(u, MuonUnit) for u in chunk.units)
+
+
+def elementwise_only(plan: Plan) -> tuple[bool, ...]:
+    """Per chunk of ``plan``, in run order: whether it holds no muon unit. Such a chunk issues
+    no collective and its update is memory-bound (no matrix products), so it may run beside
+    the muon chunks' compute-bound updates (the scheduler's side stream). A chunk that holds
+    both (the element-wise units packed into the last muon chunk) counts as muon."""
+    return tuple(not holds_muon(c) for c in plan.chunks)
 
 
 def _interleave(chunks: list[Chunk]) -> list[Chunk]:
