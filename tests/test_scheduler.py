@@ -11,7 +11,13 @@ import torch
 
 from muon_offload import Muon
 from muon_offload.engine.host_slabs import ALIGN_BYTES, align_up
-from muon_offload.engine.scheduler import ARENA_ALIGN, StreamScheduler, place, plan_transfer
+from muon_offload.engine.scheduler import (
+    ARENA_ALIGN,
+    StreamScheduler,
+    Transfer,
+    place,
+    plan_transfer,
+)
 
 MIB = 1 << 20
 
@@ -20,8 +26,18 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def _check_layout(sizes, arena):
-    layout = place(sizes, arena)
+def _check_lanes(layout, lanes):
+    """Each load waits for the latest of its sharers in each lane, and nothing else: a
+    lane's stores run in order, so that covers every sharer."""
+    for waits, mine in zip(layout.waits, layout.load_waits, strict=True):
+        assert set(mine) <= set(waits) and len({lanes[j] for j in mine}) == len(mine)
+        for j in waits:
+            assert any(lanes[i] == lanes[j] and i >= j for i in mine), (j, waits, mine)
+
+
+def _check_layout(sizes, arena, lanes=()):
+    layout = place(sizes, arena, lanes)
+    _check_lanes(layout, lanes or [False] * len(sizes))
     ranges = [(o, o + n) for o, n in zip(layout.offsets, sizes, strict=True)]
     before: list[set[int]] = []  # chunks whose stores each chunk's load follows
     for k, (start, end) in enumerate(ranges):
@@ -45,7 +61,9 @@ def test_place_random_sizes(ring):
         largest = rng.randrange(1, 64) * ALIGN_BYTES
         sizes = [rng.randrange(0, largest // ALIGN_BYTES + 1) * ALIGN_BYTES for _ in range(30)]
         sizes[rng.randrange(30)] = largest
-        layout = _check_layout(sizes, ring * align_up(largest, ARENA_ALIGN))
+        lanes = [rng.random() < 0.5 for _ in sizes]
+        layout = _check_layout(sizes, ring * align_up(largest, ARENA_ALIGN), lanes)
+        assert layout.offsets == place(sizes, ring * align_up(largest, ARENA_ALIGN)).offsets
         if ring >= 3:  # room for two of the largest beside any chunk: neighbours never collide
             assert all(k - 1 not in w for k, w in enumerate(layout.waits)), layout
 
@@ -129,21 +147,22 @@ def test_cpu_run_places_chunks_in_the_arena_and_grows_it_only_when_needed():
 
 
 class _Node:
-    def __init__(self, log, deps):
+    def __init__(self, log, deps, stream):
         self.index = len(log)
         self.deps = deps
+        self.stream = stream  # the name of the stream that queued it
         log.append(self)
 
 
 class _Stream:
     """Queued work as nodes: each follows the stream's previous node and what it waited for."""
 
-    def __init__(self, log):
-        self.log, self.last, self.waits = log, None, []
+    def __init__(self, log, name):
+        self.log, self.name, self.last, self.waits = log, name, None, []
 
     def _add(self, extra=None):
         deps = [d for d in (self.last, extra) if d is not None]
-        self.last = _Node(self.log, deps)
+        self.last = _Node(self.log, deps, self.name)
         return self.last
 
     def wait_event(self, event):
@@ -153,6 +172,9 @@ class _Stream:
     def wait_stream(self, other):
         self._add(other.last)
 
+    def synchronize(self):
+        pass
+
 
 class _Event:
     def __init__(self, enable_timing=False):
@@ -160,6 +182,40 @@ class _Event:
 
     def record(self, stream):
         self.node = stream._add()
+
+
+class _Cuda:
+    """Stand-ins for torch.cuda's streams and events, with a current stream that
+    ``torch.cuda.stream`` switches, and schedulers that run their CUDA path on them (copies run
+    at once on the CPU, in the order queued)."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[_Node] = []
+        self.compute = _Stream(self.log, "compute")
+        self.current = self.compute
+        monkeypatch.setattr(torch.cuda, "Event", _Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", self._stream)
+
+    @contextlib.contextmanager
+    def _stream(self, stream):
+        saved, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = saved
+
+    def scheduler(self, **kwargs) -> StreamScheduler:
+        sched = StreamScheduler(torch.device("cpu"), **kwargs)
+        sched.cuda = True
+        for name in ("h2d", "d2h", "side", "side_d2h"):
+            setattr(sched, f"{name}_stream", _Stream(self.log, name))
+        return sched
+
+    def streams(self, sched) -> list[_Stream]:
+        return [self.compute] + [
+            getattr(sched, f"{n}_stream") for n in ("h2d", "d2h", "side", "side_d2h")
+        ]
 
 
 def _before(a: _Node, b: _Node) -> bool:
@@ -175,54 +231,163 @@ def _before(a: _Node, b: _Node) -> bool:
     return False
 
 
+def _run_steps(cuda, sched, transfers, side, steps=2):
+    """Run ``steps`` steps of ``transfers`` (update i changes chunk i - 1's tensors as
+    ``_expected`` does, a resident chunk 0 before them); check that each step's waits name only
+    events recorded in it (what a CUDA graph capture needs) and that every update ran with the
+    stream that queued its marks current. Return per step the marks by (chunk, stage); each
+    update's stream and the node it queued there (its kernel), by chunk; and a node queued on
+    the compute stream before the step and one after."""
+    out = []
+    for _ in range(steps):
+        marks, ran_on = [], {}
+        for s in cuda.streams(sched):
+            s.waits = []
+        before = cuda.compute._add()  # the step's gradients
+        start = len(cuda.log)
+        sched.timeline = marks
+
+        def update(i, views, ran_on=ran_on):
+            ran_on[i] = (cuda.current.name, cuda.current._add())
+            if views is not None:
+                _update(i - 1, views)
+
+        sched.run(transfers, update, side)
+        after = cuda.compute._add()  # what follows the step
+        for s in cuda.streams(sched):
+            assert all(w.deps[-1].index >= start for w in s.waits)  # events of this step only
+        step = {(c, stage): (a.node, b.node) for c, stage, a, b in marks}
+        for c, (stream, _) in ran_on.items():
+            if (c, "update") in step:
+                assert step[c, "update"][0].stream == stream, (c, stream)
+        out.append((step, ran_on, before, after))
+    return out
+
+
 @pytest.mark.parametrize("ring", [2, 3])
-def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring):
-    """The CUDA path on stand-in streams and events (copies run at once on the CPU): the
-    dependency graph it queues orders, within a step, each load after its own chunk's earlier
-    sharers' stores, each update after its load and each store after its update, and, across
-    steps, every load after the last step's stores; a step's waits name only events recorded in
-    it (what a CUDA graph capture needs). Ring 2: neighbours share bytes, so a load is queued
-    only after the store it waits for."""
-    log: list[_Node] = []
-    compute = _Stream(log)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+@pytest.mark.parametrize("pattern", ["none", "alternate", "runs", "all"])
+def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pattern):
+    """The CUDA path on stand-in streams and events: the dependency graph it queues orders,
+    within a step, each load after its own chunk's earlier sharers' stores (whichever lane
+    stored them), each update after its load and each store after its update, and, across
+    steps, every load after the last step's stores and updates; every update follows what the
+    compute stream queued before the step, and what it queues after follows every update and
+    store. Chunks marked ``side`` (with ``pattern``; a resident one among them) update on the
+    side stream and store on the side d2h stream, the others on the compute and d2h streams.
+    Ring 2: neighbours share bytes, so a load is queued only after the store it waits for."""
+    cuda = _Cuda(monkeypatch)
     sizes = [5000, 700, 64, 1300, 5000, 900, 2000, 3333, 100, 5000, 64]
     slab, tensors, transfers = _chunks(sizes)
     want = _expected(_expected(tensors))
     transfers = [None] + transfers  # a resident chunk first
-    sched = StreamScheduler(torch.device("cpu"), ring=ring)
-    sched.cuda = True
-    sched.h2d_stream, sched.d2h_stream = _Stream(log), _Stream(log)
-    steps = []
-    for _ in range(2):
-        start, marks = len(log), []
-        for s in (compute, sched.h2d_stream, sched.d2h_stream):
-            s.waits = []
-        sched.timeline = marks
-        sched.run(transfers, lambda i, views: None if views is None else _update(i - 1, views))
-        for s in (compute, sched.h2d_stream, sched.d2h_stream):
-            assert all(w.deps[-1].index >= start for w in s.waits)  # events of this step only
-        steps.append({(c, stage): (a.node, b.node) for c, stage, a, b in marks})
+    n = len(transfers)
+    side = {
+        "none": None,
+        "alternate": tuple(i % 2 == 0 for i in range(n)),
+        "runs": tuple(i % 5 in (1, 2, 3) for i in range(n)),
+        "all": (True,) * n,
+    }[pattern]
+    sched = cuda.scheduler(ring=ring)
+    steps = _run_steps(cuda, sched, transfers, side)
+    on_side = [bool(side and side[i]) for i in range(n)]
     layout = sched.layout
-    ranges = [(o, o + n) for o, n in zip(layout.offsets, sched._sizes, strict=True)]
-    for step in steps:
+    ranges = [(o, o + size) for o, size in zip(layout.offsets, sched._sizes, strict=True)]
+    for step, ran_on, before, after in steps:
+        assert {i: s for i, (s, _) in ran_on.items()} == {
+            i: "side" if on_side[i] else "compute" for i in range(n)
+        }
+        for _, kernel in ran_on.values():  # the resident chunk's too
+            assert _before(before, kernel) and _before(kernel, after)
         for k in range(len(sizes)):
             c = k + 1
+            assert step[c, "store"][0].stream == ("side_d2h" if on_side[c] else "d2h")
             assert _before(step[c, "load"][1], step[c, "update"][0])
             assert _before(step[c, "update"][1], step[c, "store"][0])
+            assert _before(before, step[c, "update"][0])
+            assert _before(step[c, "store"][1], after)
             for j in range(k):
                 if _overlap(ranges[j], ranges[k]):
                     assert _before(step[j + 1, "store"][1], step[c, "load"][0]), (j, k)
-    first, second = steps
+            if ring == 3 and c > 1 and on_side[c] and not on_side[c - 1]:
+                # Beside the Muon chunk before it: neither its update nor its store waits
+                # for that chunk's update (their bytes do not meet with a ring of three).
+                assert not _before(step[c - 1, "update"][0], step[c, "store"][1]), c
+    first, second = steps[0][0], steps[1][0]
+    for _, a in steps[0][1].values():
+        assert all(_before(a, b) for _, b in steps[1][1].values())
     for c in range(1, len(sizes) + 1):
         for d in range(1, len(sizes) + 1):
             assert _before(first[c, "store"][1], second[d, "load"][0])
+            assert _before(first[c, "update"][1], second[d, "update"][0])
     # The copies ran at once, in the order queued: a valid order too, so the data is right.
     for got, exp in zip(tensors, want, strict=True):
         for a, b in zip(got, exp, strict=True):
             assert torch.equal(a, b)
+
+
+def test_side_lane_off_and_no_side_chunks_fork_only_the_transfer_streams(monkeypatch):
+    """``side_lane=False`` runs every chunk on the main lane, whatever ``side`` says; a step
+    with no chunk on the side lane queues nothing on its streams (the step as before it)."""
+    cuda = _Cuda(monkeypatch)
+    slab, tensors, transfers = _chunks([700, 64, 1300])
+    for sched, side in (
+        (cuda.scheduler(side_lane=False), (True, False, True)),
+        (cuda.scheduler(), (False, False, False)),
+        (cuda.scheduler(), None),
+    ):
+        ((step, ran_on, _, _),) = _run_steps(cuda, sched, transfers, side, steps=1)
+        assert {s for s, _ in ran_on.values()} == {"compute"}
+        assert sched.side_stream.last is None and sched.side_d2h_stream.last is None
+        # A load waits for the latest of the stores whose bytes it takes, as before.
+        assert sched.layout.load_waits == tuple(
+            (j,) if j >= 0 else () for j in sched.layout.issue_after
+        )
+
+
+@pytest.mark.parametrize("pattern", ["alternate", "pairs"])
+def test_load_waits_name_the_latest_sharer_of_each_lane(monkeypatch, pattern):
+    """Ring 2: a load waits for the latest chunk of each lane whose bytes it takes (a lane's
+    stores run in order), and only for chunks whose bytes it takes. Chunk 3 takes the bytes
+    of chunks 0 and 1: two waits when they ran in two lanes, one when in the same lane."""
+    cuda = _Cuda(monkeypatch)
+    sizes = [4096, 4096, 8192, 8192, 4096, 4096, 8192, 4096]
+    transfers = [Transfer((), (), n) for n in sizes]
+    side = tuple((i if pattern == "alternate" else i // 2) % 2 == 1 for i in range(len(sizes)))
+    sched = cuda.scheduler(ring=2)
+    sched.prepare(transfers, side)
+    waits = sched.layout.waits
+    assert waits[3] == (0, 1), waits
+    _check_lanes(sched.layout, side)
+    assert sched.layout.load_waits[3] == ((0, 1) if pattern == "alternate" else (1,))
+
+
+def test_side_marks_one_a_chunk():
+    sched = StreamScheduler(torch.device("cpu"))
+    slab, tensors, transfers = _chunks([700, 64])
+    with pytest.raises(ValueError, match="side marks 1 chunks, the step has 2"):
+        sched.run(transfers, _update, (True,))
+
+
+def test_an_error_on_the_side_lane_still_joins_every_stream(monkeypatch):
+    """An update that raises on the side stream: the compute stream still waits for every
+    stream the step forked (what it queues next follows every update and store queued)."""
+    cuda = _Cuda(monkeypatch)
+    slab, tensors, transfers = _chunks([700, 64, 1300, 900])
+    sched = cuda.scheduler()
+    marks = sched.timeline = []
+
+    def update(i, views):
+        if i == 2:
+            raise RuntimeError("boom")
+        _update(i, views)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.run(transfers, update, (True, False, True, True))
+    after = cuda.compute._add()
+    assert cuda.current is cuda.compute
+    for s in cuda.streams(sched):
+        assert s.last is after or _before(s.last, after), s.name
+    assert {(c, stage) for c, stage, _, _ in marks} >= {(0, "store"), (1, "store")}
 
 
 MIXED = [(48, 80)] * 5 + [(80, 48)] * 2 + [(1031,), (257, 13), (300,), (129,), (4099,)]
@@ -257,6 +422,79 @@ def test_mixed_chunk_sizes_in_flight_equal_resident_bitwise():
     assert len(set(sizes)) > 2, sizes
     # More chunks lie in the arena at once than a ring of three slots held.
     assert any(after < k - 3 for k, after in enumerate(layout.issue_after)), layout
+    for a, b in zip(off_params, res_params, strict=True):
+        assert torch.equal(a, b)
+        for key in off.state[a]:
+            assert torch.equal(off.state[a][key], res.state[b][key])
+
+
+SIDE_SHAPES = [(40, 24)] * 2 + [(24, 40)] * 5 + [(1031,), (257, 13), (300,), (129,), (4099,)]
+
+
+@pytest.mark.parametrize("resident_bytes", [None, 40000])
+@pytest.mark.parametrize("side_lane", [True, False])
+def test_optimizer_runs_elementwise_only_chunks_on_the_side_stream(
+    monkeypatch, resident_bytes, side_lane
+):
+    """Muon, AdamW and Lion, offloaded (or partly resident), through the scheduler's CUDA
+    path on stand-ins: the updates of the plan's element-wise-only chunks (``elementwise_only``,
+    resident ones too) run with the side stream current, those of the chunks that hold Muon
+    units (element-wise units riding along with the last one) with the compute stream current;
+    every chunk is called in plan order. Four steps equal the resident step bitwise."""
+    from muon_offload.engine import optimizer as engine
+    from muon_offload.engine.planner import elementwise_only, holds_muon
+
+    cuda = _Cuda(monkeypatch)
+    ran = []
+    real = engine.run_chunk
+
+    def spy(ctx, layout, views, progress, scalars=None):
+        ran.append((layout.chunk, cuda.current.name))
+        return real(ctx, layout, views, progress, scalars)
+
+    monkeypatch.setattr(engine, "run_chunk", spy)
+    gen = torch.Generator().manual_seed(12)
+    init = [torch.randn(s, generator=gen) for s in SIDE_SHAPES]
+
+    def run(scheduler=None, **kwargs):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [
+            dict(params=params[:7]),
+            dict(params=params[7:10], algorithm="adamw"),
+            dict(params=params[10:], algorithm="lion"),
+        ]
+        opt = Muon(groups, lr=0.02, weight_decay=0.05, **kwargs)
+        opt._scheduler = scheduler
+        for s in range(4):
+            g = torch.Generator().manual_seed(700 + s)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return params, opt
+
+    res_params, res = run()
+    ran.clear()
+    kwargs = dict(offload=True, chunk_bytes=8000, resident_chunk_bytes=8000)
+    if resident_bytes is not None:
+        kwargs["resident_bytes"] = resident_bytes
+    off_params, off = run(cuda.scheduler(side_lane=side_lane), **kwargs)
+    plan = next(iter(off._plans.values()))[0]
+
+    def kind(c):
+        if not holds_muon(c):
+            return "e"
+        return "M" if all(u.algorithm == "muon" for u in c.units) else "M+"
+
+    kinds = " ".join(("r" if c.resident else "") + kind(c) for c in plan.chunks)
+    # Streamed element-wise chunks, a Muon chunk with element-wise units, resident
+    # element-wise chunks when part of the state stays on the device.
+    assert kinds.count("e") >= 5 and "M+" in kinds, kinds
+    assert ("re" in kinds) == (resident_bytes is not None), kinds
+    want = [
+        (c, "side" if side_lane and e else "compute")
+        for c, e in zip(plan.chunks, elementwise_only(plan), strict=True)
+    ]
+    assert ran == want * 4
     for a, b in zip(off_params, res_params, strict=True):
         assert torch.equal(a, b)
         for key in off.state[a]:

@@ -271,20 +271,21 @@ class StepGraphs:
 class GraphMixin:
     """The optimizer's side of ``cuda_graph=True`` (``ChunkedOptimizer``)."""
 
-    def _run_step(self, work, layouts, hypers, transfers, update) -> None:
-        """The step's GPU work, the chunks through the scheduler: run eagerly, or captured and
-        replayed (``cuda_graph=True``; eager while ``timeline()`` records)."""
+    def _run_step(self, work, layouts, hypers, transfers, update, side=None) -> None:
+        """The step's GPU work, the chunks through the scheduler (``side``: the chunks it may
+        run on its side lane): run eagerly, or captured and replayed (``cuda_graph=True``;
+        eager while ``timeline()`` records)."""
         sched = self._scheduler
 
         def body() -> None:
-            sched.run(transfers, update)
+            sched.run(transfers, update, side)
 
         if not self.cuda_graph or self._timeline_marks is not None:
             body()
             return
         if self._graphs is None or self._graphs.device != sched.device:
             self._graphs = StepGraphs(sched.device)
-        sched.prepare(transfers)  # the staging arena as this step uses it, for the key
+        sched.prepare(transfers, side)  # the staging arena as this step uses it, for the key
         table = self._scalars.buffer if self._scalars is not None else None
         if table is None:
             key, why = None, "the step runs no Triton kernels"

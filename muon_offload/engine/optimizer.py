@@ -7,7 +7,8 @@ A step runs in four stages:
 3. plan (``planner.py``): units and chunks of at most ``chunk_bytes`` of state (cached while
    the set of parameters with gradients stays the same);
 4. run the chunks through the scheduler (``scheduler.py``): load, let each unit's algorithm
-   update it, store back. An exception becomes ``StepInterrupted`` (``interrupt.py``).
+   update it, store back; the element-wise-only chunks on the scheduler's side lane. An
+   exception becomes ``StepInterrupted`` (``interrupt.py``).
 
 Subclasses name their algorithms (``algorithms``: group ``algorithm`` -> ``Algorithm``) and
 say how a group reads (``_read_hyper``).
@@ -41,7 +42,7 @@ from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chu
 from .graphs import GraphMixin, StepGraphs
 from .interrupt import interrupted
 from .introspect import ToolsSurface
-from .planner import ParamInfo, Plan, plan_step
+from .planner import ParamInfo, Plan, elementwise_only, plan_step
 from .scalars import ScalarTable, scalar_table
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
@@ -104,9 +105,11 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self.backend = settings.backend
         self.cuda_graph = settings.cuda_graph
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
-        # (plan, transfers, layouts, the work planned) by what they depend on (``_plan``);
+        # (plan, transfers, layouts, side, the work planned) by what they depend on (``_plan``);
         # cleared whenever state is created or loaded and when the budgets change.
-        self._plans: dict[tuple, tuple[Plan, list[Transfer | None], list[ChunkLayout], list]] = {}
+        self._plans: dict[
+            tuple, tuple[Plan, list[Transfer | None], list[ChunkLayout], tuple[bool, ...], list]
+        ] = {}
         self._store = StateStore()
         self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
@@ -184,7 +187,12 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
     # --------------------------------------------------------------- planning
 
     def _plan(self, work: StepWork, hypers: Sequence[Hyper]):
-        """The plan, the chunks' transfers and layouts for this step's work: cached while the
+        """The plan, the chunks' transfers and layouts for this step's work (``_planned``)."""
+        return self._planned(work, hypers)[:3]
+
+    def _planned(self, work: StepWork, hypers: Sequence[Hyper]):
+        """The plan, the chunks' transfers and layouts, and which chunks the scheduler may run
+        on its side lane (the element-wise-only ones) for this step's work: cached while the
         work (its parameters, their groups, shapes and dtypes), the groups' algorithms and
         layouts and the budgets stay the same, and while state is neither created nor loaded
         (which clear the cache)."""
@@ -199,7 +207,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         )
         cached = self._plans.get(key)
         if cached is not None:
-            return cached[:3]
+            return cached[:4]
         for gi, p in work:
             check_state_fits(gi, p, self.state[p])
         infos = [
@@ -229,8 +237,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             )
             for chunk in plan.chunks
         ]
-        self._plans[key] = (plan, transfers, layouts, list(work))  # not the step's grads
-        return plan, transfers, layouts
+        side = elementwise_only(plan)
+        self._plans[key] = (plan, transfers, layouts, side, list(work))  # not the step's grads
+        return plan, transfers, layouts, side
 
     def _chunk_state(self, chunk, work) -> list[Tensor]:
         return chunk_state(self.state, self._store.formats, chunk, work)
@@ -270,7 +279,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
         self._ensure_state(hypers)
-        plan, transfers, layouts = self._plan(work, hypers)
+        plan, transfers, layouts, side = self._planned(work, hypers)
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
         self._scheduler.timeline = self._timeline_marks
@@ -289,7 +298,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             run_chunk(ctx, layouts[i], views, progress[i], None if rows is None else rows[i])
 
         try:
-            self._run_step(work, layouts, hypers, transfers, update)  # graphs.py: maybe a graph
+            self._run_step(work, layouts, hypers, transfers, update, side)  # maybe a graph
         except BaseException as err:
             report = interrupted(plan, work, progress, err, self.param_groups)
             if isinstance(err, Exception):

@@ -1,34 +1,46 @@
 """The stream scheduler: moves each chunk's state host -> device, lets the caller update it,
-and writes it back, with the three stages of consecutive chunks overlapped.
+and writes it back, the stages of consecutive chunks overlapped, in two lanes.
 
-    h2d stream      load 0 | load 1 | load 2 | load 3 | ...
-    compute stream         | upd 0  | upd 1  | upd 2  | upd 3 ...
-    d2h stream                      | store 0| store 1| store 2 ...
+    h2d stream        load 0 | load 1 | load 2 | load 3 | load 4 | ...
+    compute stream           | upd 0 (Muon) ...........| upd 3 (Muon) ...
+    side stream                       | upd 1 | upd 2 |         | upd 4
+    d2h stream                                         | store 0 |
+    side d2h stream                           | store 1 | store 2 |
 
-It owns its streams, events and staging arena, all created once and reused. Ordering is by
-events only (no host sync inside a step): a chunk's update waits for its load, its store waits
-for its update, and a load waits for the stores of the earlier chunks whose staging bytes it
-overwrites.
+The main lane (the caller's current stream, the *compute* stream, and the d2h stream) runs
+the chunks that hold Muon matrices: compute-bound updates, and collectives that must run in
+plan order on every rank. The side lane (a side stream and a side d2h stream) runs the chunks
+marked ``side``, the plan's element-wise-only ones (``planner.elementwise_only``): their
+memory-bound updates overlap the Muon products, and their stores do not queue behind a Muon
+chunk's, so their staging bytes are soon free for later loads. With one lane an AdamW chunk
+held its bytes through the ~8 ms update of the Muon chunk before it (docs/design.md, step 3).
+Loads run in plan order on the one h2d stream. ``side_lane=False``: one lane.
+
+Streams, events and the staging arena are the scheduler's, created once. Ordering is by
+events only (no host sync inside a step): its streams first wait for what the compute stream
+has queued (the step's gradients and scalar table, the previous step); a chunk's update waits
+for its load, its store for its update (on whichever stream ran it), a load for the stores of
+the earlier chunks whose staging bytes it overwrites (the latest of each lane: a lane's
+stores run in order); at the end, also after an error, the compute stream waits for every
+stream the step used. An update runs with its lane's stream current: its kernels, pointer
+table uploads and temporaries are queued and allocated there (the caching allocator reuses a
+block after the work of the stream that took it). What the side lane reads of other streams
+outlives its use: the arena (freed after a device sync), parameters, gradients and the scalar
+table (blocks of the compute stream, whose later work follows the join).
 
 Staging is one device buffer (the arena) of ``ring`` x the largest chunk (rounded up to
 ARENA_ALIGN) in which the streamed chunks of a step take byte ranges one after another,
-wrapping to the start when the next one would not fit (``place``). Loads run ahead as far as
-bytes allow, not a fixed count of chunks. Why: the ring of three slots it replaces let a load
-run only two chunks ahead, and a 128 MiB AdamW chunk held a slot sized to a 224 MiB Muon
-matrix. On an H200 (llama3-8b-fsdp8-rank, 128 MiB chunks), spreading AdamW chunks among the
-Muon ones made the transfer-bound 8-layer step slower with that ring (0.0545 -> 0.0653 s,
-floor 0.040 s): during an ~8 ms Muon update only two small loads could run. Cost: the memory
-the ring took (up to ARENA_ALIGN a slot more), and three events a streamed chunk of the
-largest plan seen instead of three a slot.
-
-Without a CUDA device the same code runs with plain copies and no streams, so CI tests the
-logic of the pipeline. A step captured as a CUDA graph (``graphs.py``) runs this same code under
-capture: the side streams fork from the capturing stream and join back into it, and every wait
-names an event recorded earlier in the same step.
+wrapping to the start when the next one would not fit (``place``): loads run ahead as far as
+bytes allow, not a fixed count of chunks (a ring of three slots held a 128 MiB AdamW chunk in
+a slot sized to a 224 MiB Muon matrix). Without a CUDA device the same code runs with plain
+copies and no streams, in plan order, so CI tests the logic of the pipeline. A step captured
+as a CUDA graph (``graphs.py``) runs it under capture: the scheduler's streams fork from the
+capturing stream and join back into it, and every wait names an event of the same step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,16 +134,19 @@ class ArenaLayout:
 
     offsets: tuple[int, ...]  # each chunk's first byte in the arena
     waits: tuple[tuple[int, ...], ...]  # earlier chunks whose stores the chunk's load must follow
-    issue_after: tuple[int, ...]  # the latest of them (-1: none): the load waits for its store
-    # (stores run in order on one stream) and is queued once the host has queued that store
+    issue_after: tuple[int, ...]  # the latest of them (-1: none): the load is queued once the
+    # host has queued that store (the host queues stores in run order)
+    load_waits: tuple[tuple[int, ...], ...]  # of ``waits``, the latest of each lane: the
+    # stores the load waits for (a lane's stores run in order: the latest follows the others)
 
 
-def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
+def place(sizes: Sequence[int], arena_bytes: int, lanes: Sequence[bool] = ()) -> ArenaLayout:
     """Lay chunks of ``sizes`` bytes (in run order) into an arena of ``arena_bytes``: each
     starts where the previous one ended, rounded up to ARENA_ALIGN, or at 0 when it would not
     fit before the end. A chunk's load waits for the latest earlier chunk holding each of its
     bytes; every earlier chunk that shares a byte with it is then ordered before it, directly
-    or through that chunk's own load (its store follows its load). Pure: tested without a GPU.
+    or through that chunk's own load (its store follows its load). ``lanes[k]``: the lane
+    chunk k is stored in (default: one lane). Pure: tested without a GPU.
     """
     offsets, waits = [], []
     owners: list[tuple[int, int, int]] = []  # (start, end, chunk): the latest holder, disjoint
@@ -156,23 +171,30 @@ def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
         owners = kept
         offsets.append(start)
         cursor = end
-    return ArenaLayout(tuple(offsets), tuple(waits), tuple(max(w, default=-1) for w in waits))
+    lanes = lanes or (False,) * len(sizes)
+    latest = tuple(tuple(sorted({lanes[j]: j for j in w}.values())) for w in waits)  # w ascends
+    issue_after = tuple(max(w, default=-1) for w in waits)
+    return ArenaLayout(tuple(offsets), tuple(waits), issue_after, latest)
 
 
 class StreamScheduler:
-    """Runs chunks through load -> update -> store, staged in one arena of device bytes."""
+    """Runs chunks through load -> update -> store, staged in one arena of device bytes.
+    ``side_lane``: chunks marked ``side`` run on the side lane (False: all on the main lane)."""
 
-    def __init__(self, device: torch.device, ring: int = 3):
+    def __init__(self, device: torch.device, ring: int = 3, side_lane: bool = True):
         if ring < 2:
             raise ValueError(f"the staging arena needs room for at least 2 chunks, got {ring}")
         self.device = torch.device(device)
         self.ring = ring  # the arena holds ``ring`` chunks of the largest size
         self.cuda = self.device.type == "cuda"
+        self.side_lane = side_lane
         self._arena: Tensor | None = None
-        # For the ``transfers`` of the last ``run`` (the optimizer passes the same list while its
-        # plan holds): the streamed chunks, their sizes, their layout in the arena, and each
-        # one's views and run slices of it; rebuilt when the transfers or the arena change.
+        # For the ``transfers`` and ``side`` of the last ``run`` (the same objects while the
+        # optimizer's plan holds): each chunk's lane, the streamed chunks, their sizes, layout
+        # and views and run slices in the arena; rebuilt when they or the arena change.
         self._views_for: Sequence[Transfer | None] | None = None
+        self._side_for: Sequence[bool] | None = None
+        self._on_side: tuple[bool, ...] = ()  # by chunk index
         self._streamed: list[int] = []
         self._position: dict[int, int] = {}  # chunk index -> its place among the streamed
         self._sizes: list[int] = []
@@ -185,6 +207,9 @@ class StreamScheduler:
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
+            if side_lane:
+                self.side_stream = torch.cuda.Stream(self.device)
+                self.side_d2h_stream = torch.cuda.Stream(self.device)
         # When set to a list, each step appends (chunk, stage, start, end) per chunk and stage
         # ("load", "update", "store"): CUDA events on the GPU, perf_counter seconds on the CPU.
         # None (default) records nothing. ``timeline_rows`` turns it into milliseconds.
@@ -209,11 +234,17 @@ class StreamScheduler:
         self._arena = None  # freed before the new one is taken
         self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
 
-    def prepare(self, transfers: Sequence[Transfer | None]) -> list[int]:
-        """Size the arena and lay ``transfers`` out in it (``run`` does it too; a graph's key
-        reads the arena after it); return the streamed chunks' indices."""
-        if transfers is not self._views_for:
-            self._views_for = transfers
+    def prepare(
+        self, transfers: Sequence[Transfer | None], side: Sequence[bool] | None = None
+    ) -> list[int]:
+        """Put the chunks in lanes, size the arena and lay ``transfers`` out in it (``run`` does
+        it too; a graph's key reads the arena after it); return the streamed chunks' indices."""
+        if transfers is not self._views_for or side is not self._side_for:
+            if side is not None and len(side) != len(transfers):
+                raise ValueError(f"side marks {len(side)} chunks, the step has {len(transfers)}")
+            self._views_for, self._side_for = transfers, side
+            on = self.cuda and self.side_lane and side is not None  # the CPU path: plan order
+            self._on_side = tuple(on and bool(side[i]) for i in range(len(transfers)))
             self._streamed = [i for i, t in enumerate(transfers) if t is not None]
             self._position = {i: k for k, i in enumerate(self._streamed)}
             self._sizes = [transfers[i].nbytes for i in self._streamed]
@@ -221,7 +252,8 @@ class StreamScheduler:
             self._view_cache.clear()
         self.reserve(max(self._sizes, default=0), len(self._sizes))
         if self._layout is None:
-            self._layout = place(self._sizes, self.staging_bytes)
+            lanes = [self._on_side[i] for i in self._streamed]
+            self._layout = place(self._sizes, self.staging_bytes, lanes)
             if self.cuda:
                 for events in (self._loaded, self._updated, self._stored):
                     events.extend(torch.cuda.Event() for _ in range(len(self._sizes) - len(events)))
@@ -259,14 +291,16 @@ class StreamScheduler:
         self,
         transfers: Sequence[Transfer | None],
         update: Callable[[int, Sequence[Tensor] | None], None],
+        side: Sequence[bool] | None = None,
     ) -> None:
         """For each chunk i: load ``transfers[i]``, call ``update(i, views)``, store it back.
 
         ``None`` marks a resident chunk: ``update(i, None)`` runs on its state in place.
         ``views`` are the same tensors at every ``run`` of the same ``transfers``: read them,
-        never change them.
-        """
-        self.prepare(transfers)
+        never change them. ``side[i]``: chunk i may run on the side lane (it issues no
+        collective, shares no byte with another chunk). ``update`` is called in plan order,
+        with the stream it runs on current."""
+        self.prepare(transfers, side)
         if not self.cuda:
             for i, transfer in enumerate(transfers):
                 if transfer is None:
@@ -287,19 +321,20 @@ class StreamScheduler:
             return
 
         compute = torch.cuda.current_stream(self.device)
-        # Loads may start once everything queued so far on the compute stream (this step's
-        # gradients, the previous step's updates and, through its join, stores) is done with
-        # the arena.
-        self.h2d_stream.wait_stream(compute)
-        self.d2h_stream.wait_stream(compute)
+        forked = [self.h2d_stream, self.d2h_stream]
+        if any(self._on_side):
+            forked += [self.side_stream, self.side_d2h_stream]
+        # Loads start after what the compute stream queued (the previous step, joined, is
+        # done with the arena); side updates after this step's gradients and scalar table.
+        for stream in forked:
+            stream.wait_stream(compute)
         try:
             self._run_streams(transfers, update, compute)
         finally:
-            # Also after an error: what follows on the compute stream sees every stored chunk.
-            # Both side streams join back, so that a capture of the step (graphs.py) ends with
-            # no stream left forked, even when no chunk is streamed.
-            compute.wait_stream(self.d2h_stream)
-            compute.wait_stream(self.h2d_stream)
+            # Also after an error: what follows sees every update and store, and a capture
+            # (graphs.py) ends with no stream left forked, even when no chunk is streamed.
+            for stream in forked:
+                compute.wait_stream(stream)
 
     def _run_streams(self, transfers, update, compute) -> None:
         streamed, issue_after = self._streamed, self._layout.issue_after
@@ -315,34 +350,36 @@ class StreamScheduler:
 
         issue(-1)
         for i, transfer in enumerate(transfers):
-            if transfer is None:
-                update(i, None)
-                continue
-            k = self._position[i]
-            # Chunk k's load is queued: its waits name chunks before k, all stored by now.
-            views, copies = self._staged(i)
-            compute.wait_event(self._loaded[k])
-            marks = self._mark(i, "update", compute)
-            update(i, views)
-            self._end_mark(marks, compute)
-            self._updated[k].record(compute)
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(self._updated[k])
-                marks = self._mark(i, "store", self.d2h_stream)
+            side = self._on_side[i]
+            stream = self.side_stream if side else compute
+            with torch.cuda.stream(stream) if side else contextlib.nullcontext():
+                if transfer is None:
+                    update(i, None)
+                    continue
+                k = self._position[i]
+                # Chunk k's load is queued: its waits name chunks before k, all stored by now.
+                views, copies = self._staged(i)
+                stream.wait_event(self._loaded[k])
+                marks = self._mark(i, "update", stream)
+                update(i, views)
+                self._end_mark(marks, stream)
+                self._updated[k].record(stream)
+            d2h = self.side_d2h_stream if side else self.d2h_stream
+            with torch.cuda.stream(d2h):
+                d2h.wait_event(self._updated[k])
+                marks = self._mark(i, "store", d2h)
                 for host, staged in copies:
                     host.copy_(staged, non_blocking=True)
-                self._end_mark(marks, self.d2h_stream)
-                self._stored[k].record(self.d2h_stream)
+                self._end_mark(marks, d2h)
+                self._stored[k].record(d2h)
             issue(k)
 
     def _load(self, k: int, chunk: int) -> None:
         with torch.cuda.stream(self.h2d_stream):
-            after = self._layout.issue_after[k]
-            if after >= 0:
-                # The chunks whose bytes this load takes must be written back (and so done
-                # being updated) first. Stores run in order on one stream: waiting for the
-                # latest of them waits for them all.
-                self.h2d_stream.wait_event(self._stored[after])
+            # The chunks whose bytes this load takes must be written back (and so done being
+            # updated) first: the latest store of each lane (``place``).
+            for j in self._layout.load_waits[k]:
+                self.h2d_stream.wait_event(self._stored[j])
             marks = self._mark(chunk, "load", self.h2d_stream)
             for host, staged in self._staged(chunk)[1]:
                 staged.copy_(host, non_blocking=True)
