@@ -37,6 +37,7 @@ from ._launch import (
 )
 from ._tma import tma_enabled, tma_layout
 from .gram_tma import _epilogue, _launch_tma, _lower_tile
+from .normalize import NormScale, norm_scale_arg, normalize_scale
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
 # Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles
@@ -91,8 +92,12 @@ def _sym_gram_kernel(
     alpha,
     beta,
     diag,
+    sumsq,  # [B] fp32, read only when HAS_SCALE
+    norm_scale,
+    eps_ptr,  # fp32 [1], read only when HAS_SCALE
     HAS_Y: tl.constexpr,
     HAS_DIAG: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # x and w taken as s x and s w, s = inverse_norm(sumsq[i_b])
     SYMMETRIZE: tl.constexpr,  # diagonal tiles: upper half = the lower half, mirrored
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -127,7 +132,8 @@ def _sym_gram_kernel(
 
     _epilogue(
         b_acc, i_b, i, j, y, out, M, stride_yb, stride_ym, stride_yn, stride_ob, stride_om,
-        stride_on, alpha, beta, diag, HAS_Y, HAS_DIAG, SYMMETRIZE, BLOCK, False,
+        stride_on, alpha, beta, diag, sumsq, norm_scale, eps_ptr, HAS_Y, HAS_DIAG, HAS_SCALE,
+        SYMMETRIZE, BLOCK, False,
     )  # fmt: skip
 
 
@@ -141,13 +147,15 @@ def _launch(
     diag,
     symmetrize: bool,
     config: Config,
+    scale: NormScale | None = None,
 ) -> None:
     if config.tma:
-        _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize, config)
+        _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize, config, scale)
         return
     batch, m, k = x.shape
     tiles = triton.cdiv(m, config.block)
     y_arg = y if y is not None else out
+    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
     for start in range(0, batch, MAX_GRID_Y):
         _sym_gram_kernel[(tiles * (tiles + 1) // 2, min(batch - start, MAX_GRID_Y))](
@@ -165,8 +173,12 @@ def _launch(
             alpha,
             beta,
             diag,
+            sumsq,
+            norm_scale,
+            eps,
             HAS_Y=y is not None,
             HAS_DIAG=diag != 0.0,
+            HAS_SCALE=scale is not None,
             SYMMETRIZE=symmetrize,
             EVEN_K=k % config.chunk == 0,
             PRECISION=precision,
@@ -188,15 +200,25 @@ def sym_gram(
     diag: float = 0.0,
     symmetrize: bool = False,
     out: Tensor | None = None,
+    sumsq: Tensor | None = None,
+    norm_scale: float | None = None,
+    eps: float | Tensor | None = None,
 ) -> Tensor:
     """``out = alpha x w^T + beta y + diag I`` for a batch x [B, M, K] (any strides) and
     ``w`` like x (default: x itself), where ``x w^T`` is symmetric; ``y`` [B, M, M] must be
     symmetric (only its lower tiles are read). ``out`` [B, M, M], any strides, must not
     overlap x, w or y. Returns out, its lower triangle mirrored (symmetric bit for bit) when
-    ``w`` is given or ``symmetrize``."""
+    ``w`` is given or ``symmetrize``.
+
+    With ``sumsq`` ([B] fp32, contiguous), ``norm_scale`` and ``eps`` (a number or an fp32
+    device tensor [1]): x and w are taken as normalized, ``s x`` and ``s w`` with
+    ``s = bf16(1 / (sqrt(sumsq) * norm_scale + eps))`` per matrix (``normalize``'s scale),
+    so ``out = alpha s^2 x w^T + beta y + diag I`` in fp32: Polar Express's first Gram
+    matrix without the normalized copy of x."""
     if x.ndim != 3:
         raise ValueError(f"expected x [B, M, K], got shape {tuple(x.shape)}")
     batch, m, k = x.shape
+    scale = norm_scale_arg(sumsq, norm_scale, eps, batch, x.device)
     if w is not None and (w.shape != x.shape or w.dtype != x.dtype or w.device != x.device):
         raise ValueError(f"w must be [{batch}, {m}, {k}] {x.dtype} on {x.device}")
     if out is None:
@@ -206,7 +228,7 @@ def sym_gram(
             raise ValueError(f"{name} must be [{batch}, {m}, {m}] on {x.device}")
     if batch * m == 0:
         return out
-    if k == 0:
+    if k == 0:  # (the scale multiplies the empty product: nothing to fold)
         out.copy_(y * beta) if y is not None else out.zero_()
         out.diagonal(dim1=-2, dim2=-1).add_(diag)
         return out
@@ -223,6 +245,7 @@ def sym_gram(
         None if w is None else w.stride(-1) == 1,
         y is not None,
         symmetrize,
+        scale is not None,  # another compiled kernel (the scale's loads and multiply)
         tma,
     )
 
@@ -233,13 +256,20 @@ def sym_gram(
         sw = sx if w is None else _scratch(w, n)
         sy = None if y is None else _scratch(y, n)
         so = torch.empty(n, m, m, dtype=out.dtype, device=out.device)
-        return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config))
+        ss = None if scale is None else _scratch_scale(scale, n)
+        return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config, ss))
 
     configs = GRAM_CONFIGS if tma else GRAM_POINTER_CONFIGS
     config = TUNER.choose("sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, bench)
     w = x if w is None else w
-    _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config)
+    _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config, scale)
     return out
+
+
+def _scratch_scale(scale: NormScale, batch: int) -> NormScale:
+    """``scale`` for a scratch batch of ``batch`` matrices: positive sums of squares."""
+    sumsq = torch.rand(batch, device=scale.sumsq.device).add_(0.5)
+    return scale._replace(sumsq=sumsq)
 
 
 def _scratch(t: Tensor, batch: int) -> Tensor:
@@ -269,10 +299,18 @@ def sym_gram_reference(
     beta: float = 0.0,
     diag: float = 0.0,
     symmetrize: bool = False,
+    sumsq: Tensor | None = None,
+    norm_scale: float | None = None,
+    eps: float | Tensor | None = None,
 ) -> Tensor:
     """The same in fp32 (one rounding to x's dtype at the end); the lower triangle mirrored
     when ``w`` is given or ``symmetrize``."""
-    acc = alpha * (x.float() @ (x if w is None else w).float().mT)
+    acc = x.float() @ (x if w is None else w).float().mT
+    if sumsq is None:
+        acc = alpha * acc
+    else:
+        s = normalize_scale(sumsq, norm_scale=norm_scale, eps=eps).float()[:, None, None]
+        acc = acc * (alpha * s) * s
     if y is not None:
         acc = acc + beta * y.float()
     if diag:

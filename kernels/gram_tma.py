@@ -2,7 +2,8 @@
 the tile mapping and epilogue it shares with the pointer kernel there: a loop over (matrix,
 lower-triangle tile) items, operands read through host TMA descriptors as 3-D [1, rows, K]
 boxes (a ``.mT`` view described as stored and transposed in-kernel), the same fp32
-accumulation in K steps of ``chunk`` and the same epilogue as the pointer kernel.
+accumulation in K steps of ``chunk`` and the same epilogue as the pointer kernel (which
+also folds in the normalization's scale, ``HAS_SCALE``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import triton.language as tl
 
 from ._launch import FP_FUSION, Config
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
+from .normalize import NormScale, inverse_norm
 
 
 @triton.jit
@@ -42,17 +44,29 @@ def _epilogue(
     alpha,
     beta,
     diag,
+    sumsq,  # [B] fp32, read only when HAS_SCALE
+    norm_scale,
+    eps_ptr,  # fp32 [1], read only when HAS_SCALE
     HAS_Y: tl.constexpr,
     HAS_DIAG: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # x and w taken as s x and s w, s = inverse_norm(sumsq[i_b])
     SYMMETRIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     BRANCHLESS: tl.constexpr,  # the mirrored store masked off on diagonal tiles, not skipped
 ):
-    """alpha acc + beta y + diag I, one rounding, stored at (i, j) and mirrored at (j, i)."""
+    """alpha acc + beta y + diag I (alpha s^2 acc with HAS_SCALE), one rounding, stored at
+    (i, j) and mirrored at (j, i)."""
     r_i = i * BLOCK + tl.arange(0, BLOCK)
     r_j = j * BLOCK + tl.arange(0, BLOCK)
     mask = (r_i[:, None] < M) & (r_j[None, :] < M)
-    b_acc *= alpha
+    if HAS_SCALE:  # the normalization folded in: (s x)(s w)^T = s^2 x w^T, in fp32
+        # Twice by s, not once by s^2: s is at most 1 / eps, and s^2 overflows for eps under
+        # 5e-20, where a zero matrix (a padding one, an unused expert's) would give 0 inf.
+        s = inverse_norm(sumsq, i_b, norm_scale, eps_ptr, True)
+        b_acc *= alpha * s
+        b_acc *= s
+    else:
+        b_acc *= alpha
     if HAS_Y:
         p_y = y + i_b * stride_yb + r_i[:, None] * stride_ym + r_j[None, :] * stride_yn
         b_acc += beta * tl.load(p_y, mask=mask, other=0.0).to(tl.float32)
@@ -92,8 +106,12 @@ def _sym_gram_tma_kernel(
     alpha,
     beta,
     diag,
+    sumsq,  # [B] fp32, read only when HAS_SCALE
+    norm_scale,
+    eps_ptr,  # fp32 [1], read only when HAS_SCALE
     HAS_Y: tl.constexpr,
     HAS_DIAG: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     SYMMETRIZE: tl.constexpr,
     X_T: tl.constexpr,
     W_T: tl.constexpr,
@@ -129,12 +147,14 @@ def _sym_gram_tma_kernel(
             b_acc = tl.dot(b_a, b_bt, b_acc)
         _epilogue(
             b_acc, i_b.to(tl.int64), i, j, y, out, M, stride_yb, stride_ym, stride_yn,
-            stride_ob, stride_om, stride_on, alpha, beta, diag, HAS_Y, HAS_DIAG, SYMMETRIZE,
-            BLOCK, FLATTEN,
+            stride_ob, stride_om, stride_on, alpha, beta, diag, sumsq, norm_scale, eps_ptr,
+            HAS_Y, HAS_DIAG, HAS_SCALE, SYMMETRIZE, BLOCK, FLATTEN,
         )  # fmt: skip
 
 
-def _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize: bool, config: Config) -> None:
+def _launch_tma(
+    x, w, y, out, alpha, beta, diag, symmetrize: bool, config: Config, scale: NormScale | None
+) -> None:
     """``_launch`` on the persistent TMA kernel (x and w: ``tma_layout`` not None)."""
     batch, m, k = x.shape
     tiles_side = triton.cdiv(m, config.block)
@@ -144,6 +164,7 @@ def _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize: bool, config: Confi
     x_desc = tensor_descriptor(x, x_t, box[::-1] if x_t else box)
     w_desc = x_desc if w is x else tensor_descriptor(w, w_t, box[::-1] if w_t else box)
     y_arg = y if y is not None else out
+    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
     _sym_gram_tma_kernel[(persistent_grid(items, config, x.device),)](
         x_desc,
         w_desc,
@@ -157,8 +178,12 @@ def _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize: bool, config: Confi
         alpha,
         beta,
         diag,
+        sumsq,
+        norm_scale,
+        eps,
         HAS_Y=y is not None,
         HAS_DIAG=diag != 0.0,
+        HAS_SCALE=scale is not None,
         SYMMETRIZE=symmetrize,
         X_T=x_t,
         W_T=w_t,

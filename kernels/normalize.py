@@ -10,9 +10,15 @@ each matrix's storage as a flat run of elements (the scale is per matrix, so the
 inside a matrix does not matter) and folds the scale's four scalar ops into the same launch.
 Both round identically: fp32 square root and division rounded to nearest, the scale rounded
 to bf16 (or not), then the product in fp32 rounded once. Element-wise: no config changes a bit.
+
+The scale itself (``inverse_norm`` in Triton, ``normalize_scale`` in torch) is shared with
+the products that fold the normalization into Polar Express's first iteration instead
+(``sym_gram`` and ``poly_apply`` with ``sumsq``; ``orthogonalize.py`` says where).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,6 +48,23 @@ MAX_GRID_Y = 65535
 
 
 @triton.jit
+def inverse_norm(sumsq, i_b, norm_scale, eps_ptr, ROUND_SCALE: tl.constexpr):
+    """Matrix i_b's scale, fp32: ``1 / (sqrt(sumsq[i_b]) * norm_scale + eps)``, square root and
+    division rounded to nearest; with ROUND_SCALE, then rounded to bf16 (to nearest even) and
+    back. Shared with the products that fold the scale in (``gram.py``, ``poly_apply.py``),
+    so that they and this kernel scale by the same number."""
+    s = tl.div_rn(1.0, tl.sqrt_rn(tl.load(sumsq + i_b)) * norm_scale + tl.load(eps_ptr))
+    if ROUND_SCALE:
+        # By its bits, not by a cast: the same rounding as the GPU's cast, also under the
+        # interpreter, whose fp32 -> bf16 casts truncate (the scale would then be up to an
+        # ulp smaller on the CPU than torch's, and than the GPU's).
+        bits = s.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        s = bits.to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
 def _normalize_kernel(
     u,  # [B, numel], each matrix's storage contiguous
     out,  # [B, numel]
@@ -57,11 +80,7 @@ def _normalize_kernel(
 ):
     i_b = tl.program_id(1).to(tl.int64) + b_start
     start = tl.program_id(0).to(tl.int64) * CHUNK
-    s = tl.load(sumsq + i_b)
-    eps = tl.load(eps_ptr)
-    scale = tl.div_rn(1.0, tl.sqrt_rn(s) * norm_scale + eps)
-    if ROUND_SCALE:
-        scale = scale.to(tl.bfloat16).to(tl.float32)
+    scale = inverse_norm(sumsq, i_b, norm_scale, eps_ptr, ROUND_SCALE)
     base = i_b * numel + start
     for k in tl.range(0, CHUNK, BLOCK):
         offs = k + tl.arange(0, BLOCK)
@@ -95,8 +114,7 @@ def normalize(
             f"expected a bf16, fp16 or fp32 batch [B, m, n] and such an out_dtype, got "
             f"{u.dtype} {tuple(u.shape)} -> {out_dtype}"
         )
-    if sumsq.shape != (u.size(0),) or sumsq.dtype != torch.float32 or sumsq.device != u.device:
-        raise ValueError(f"sumsq must be float32 [{u.size(0)}] on {u.device}")
+    check_sumsq(sumsq, u.size(0), u.device)
     flat = flat_matrices(u)
     if flat is None or not (u.is_cuda or interpreted()):
         return normalize_reference(
@@ -139,6 +157,47 @@ def normalize(
     return _like(out, u)
 
 
+def check_sumsq(sumsq: Tensor, batch: int, device: torch.device) -> None:
+    """A batch's sums of squares as the kernels read them: contiguous fp32 [batch]."""
+    if (
+        not isinstance(sumsq, Tensor)
+        or sumsq.shape != (batch,)
+        or sumsq.dtype != torch.float32
+        or sumsq.device != device
+        or not sumsq.is_contiguous()
+    ):
+        raise ValueError(f"sumsq must be contiguous float32 [{batch}] on {device}")
+
+
+class NormScale(NamedTuple):
+    """The per-matrix scale of a batch, for the products that fold it in (``sym_gram``,
+    ``poly_apply``): what ``normalize`` multiplies by, ``inverse_norm`` of each matrix's
+    ``sumsq`` with the method's ``norm_scale`` and ``eps`` (an fp32 device tensor [1])."""
+
+    sumsq: Tensor
+    norm_scale: float
+    eps: Tensor
+
+
+def norm_scale_arg(
+    sumsq: Tensor | None,
+    norm_scale: float | None,
+    eps: float | Tensor | None,
+    batch: int,
+    device: torch.device,
+) -> NormScale | None:
+    """A launcher's optional scale keywords, validated before anything launches: all three,
+    or none (None)."""
+    if sumsq is None:
+        if norm_scale is not None or eps is not None:
+            raise ValueError("norm_scale and eps scale by sumsq: give sumsq too")
+        return None
+    check_sumsq(sumsq, batch, device)
+    if norm_scale is None or eps is None:
+        raise ValueError("sumsq needs norm_scale and eps (the method's)")
+    return NormScale(sumsq, float(norm_scale), scalar_arg(eps, device))
+
+
 def _like(flat_out: Tensor, u: Tensor) -> Tensor:
     b, m, n = u.shape
     return flat_out.view(b, m, n) if u.is_contiguous() else flat_out.view(b, n, m).mT
@@ -156,7 +215,15 @@ def normalize_reference(
     """The torch expression the kernel matches (``eps`` a number or a one-element fp32 tensor:
     the same fp32 sum either way) (with ``round_scale``, a bf16 u times the bf16
     scale, in u's dtype promoted with bf16, as Polar Express has always run)."""
-    scale = 1.0 / (sumsq.sqrt() * norm_scale + eps)
+    scale = normalize_scale(sumsq, norm_scale=norm_scale, eps=eps, round_scale=round_scale)
     if round_scale:
-        return u * scale.to(torch.bfloat16)[:, None, None]
+        return u * scale[:, None, None]
     return (u.float() * scale[:, None, None]).to(out_dtype)
+
+
+def normalize_scale(
+    sumsq: Tensor, *, norm_scale: float, eps: float | Tensor, round_scale: bool = True
+) -> Tensor:
+    """Each matrix's scale [B], ``inverse_norm``'s in torch: fp32, or rounded to bf16."""
+    scale = 1.0 / (sumsq.sqrt() * norm_scale + eps)
+    return scale.to(torch.bfloat16) if round_scale else scale

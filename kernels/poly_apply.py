@@ -30,7 +30,8 @@ from ._launch import (
     tuning_batch,
 )
 from ._tma import persistent_grid, tensor_descriptor, tma_enabled, tma_layout
-from .gram import MAX_GRID_Y, _scratch
+from .gram import MAX_GRID_Y, _scratch, _scratch_scale
+from .normalize import NormScale, inverse_norm, norm_scale_arg, normalize_scale
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
 # Measured on the H200 (bench/orthogonalize.py and a sweep, 2026-11-29): 128 x 256 tiles with
@@ -84,7 +85,11 @@ def _poly_apply_kernel(
     stride_om,
     stride_on,
     alpha,
+    sumsq,  # [B] fp32, read only when HAS_SCALE
+    norm_scale,
+    eps_ptr,  # fp32 [1], read only when HAS_SCALE
     ADD_X: tl.constexpr,  # alpha != 0 (Gram Newton-Schulz's Q X has no X term)
+    HAS_SCALE: tl.constexpr,  # x taken as s x, s = inverse_norm(sumsq[i_b])
     EVEN: tl.constexpr,  # M and N multiples of the tile, M of the K step: no masks
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -122,15 +127,46 @@ def _poly_apply_kernel(
 
     p_x = x + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
     p_o = out + r_m[:, None] * stride_om + r_n[None, :] * stride_on
+    _epilogue(
+        b_acc, i_b, r_m, r_n, p_x, p_o, M, N, alpha, sumsq, norm_scale, eps_ptr, ADD_X,
+        HAS_SCALE, EVEN,
+    )  # fmt: skip
+
+
+@triton.jit
+def _epilogue(
+    b_acc,  # [BLOCK_M, BLOCK_N] fp32: P x, rows r_m and columns r_n of matrix i_b (int64)
+    i_b,
+    r_m,
+    r_n,
+    p_x,  # x's and out's elements at (r_m, r_n)
+    p_o,
+    M,
+    N,
+    alpha,
+    sumsq,
+    norm_scale,
+    eps_ptr,
+    ADD_X: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """alpha x + acc (s (alpha x + acc) with HAS_SCALE), fp32, one rounding, stored."""
+    if HAS_SCALE:  # the normalization folded in: alpha (s x) + P (s x) = s (alpha x + P x)
+        s = inverse_norm(sumsq, i_b, norm_scale, eps_ptr, True)
     if EVEN:
         if ADD_X:
             b_acc += alpha * tl.load(p_x).to(tl.float32)
-        tl.store(p_o, b_acc.to(out.dtype.element_ty))
+        if HAS_SCALE:
+            b_acc *= s
+        tl.store(p_o, b_acc.to(p_o.dtype.element_ty))
     else:
         mask = (r_m[:, None] < M) & (r_n[None, :] < N)
         if ADD_X:
             b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
-        tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=mask)
+        if HAS_SCALE:
+            b_acc *= s
+        tl.store(p_o, b_acc.to(p_o.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -149,7 +185,11 @@ def _poly_apply_tma_kernel(
     stride_om,
     stride_on,
     alpha,
+    sumsq,  # [B] fp32, read only when HAS_SCALE
+    norm_scale,
+    eps_ptr,  # fp32 [1], read only when HAS_SCALE
     ADD_X: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     EVEN: tl.constexpr,  # M and N multiples of the tile: no masks on the epilogue
     X_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -188,20 +228,22 @@ def _poly_apply_tma_kernel(
         i_b64 = i_b.to(tl.int64)
         p_x = x + i_b64 * stride_xb + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
         p_o = out + i_b64 * stride_ob + r_m[:, None] * stride_om + r_n[None, :] * stride_on
-        if EVEN:
-            if ADD_X:
-                b_acc += alpha * tl.load(p_x).to(tl.float32)
-            tl.store(p_o, b_acc.to(out.dtype.element_ty))
-        else:
-            mask = (r_m[:, None] < M) & (r_n[None, :] < N)
-            if ADD_X:
-                b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
-            tl.store(p_o, b_acc.to(out.dtype.element_ty), mask=mask)
+        _epilogue(
+            b_acc, i_b64, r_m, r_n, p_x, p_o, M, N, alpha, sumsq, norm_scale, eps_ptr, ADD_X,
+            HAS_SCALE, EVEN,
+        )  # fmt: skip
 
 
-def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) -> None:
+def _launch(
+    poly: Tensor,
+    x: Tensor,
+    out: Tensor,
+    alpha: float,
+    config: Config,
+    scale: NormScale | None = None,
+) -> None:
     if config.tma:
-        _launch_tma(poly, x, out, alpha, config)
+        _launch_tma(poly, x, out, alpha, config, scale)
         return
     batch, m, n = x.shape
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
@@ -210,6 +252,7 @@ def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) 
     if stride_pk != 1 and stride_pm == 1:  # B = B^T: read it so that K stays contiguous
         stride_pm, stride_pk = stride_pk, stride_pm
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
+    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
     for start in range(0, batch, MAX_GRID_Y):
         _poly_apply_kernel[(tiles, min(batch - start, MAX_GRID_Y))](
             poly,
@@ -224,7 +267,11 @@ def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) 
             *x.stride(),
             *out.stride(),
             alpha,
+            sumsq,
+            norm_scale,
+            eps,
             ADD_X=alpha != 0.0,
+            HAS_SCALE=scale is not None,
             EVEN=even,
             PRECISION=precision,
             BLOCK_M=config.block_m,
@@ -236,7 +283,9 @@ def _launch(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) 
         )
 
 
-def _launch_tma(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config) -> None:
+def _launch_tma(
+    poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config, scale: NormScale | None
+) -> None:
     """``_launch`` on the persistent TMA kernel (poly and x: ``tma_layout`` not None)."""
     batch, m, n = x.shape
     items = batch * triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
@@ -245,6 +294,7 @@ def _launch_tma(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Conf
     p_desc = tensor_descriptor(poly, tma_layout(poly), (config.block_m, config.chunk))
     x_t = tma_layout(x)
     box = (config.block, config.chunk) if x_t else (config.chunk, config.block)
+    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
     _poly_apply_tma_kernel[(persistent_grid(items, config, x.device),)](
         p_desc,
         tensor_descriptor(x, x_t, box),
@@ -256,7 +306,11 @@ def _launch_tma(poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Conf
         *x.stride(),
         *out.stride(),
         alpha,
+        sumsq,
+        norm_scale,
+        eps,
         ADD_X=alpha != 0.0,
+        HAS_SCALE=scale is not None,
         EVEN=even,
         X_T=x_t,
         BLOCK_M=config.block_m,
@@ -276,14 +330,30 @@ def _span(t: Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (extent + 1) * t.element_size()
 
 
-def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | None = None) -> Tensor:
+def poly_apply(
+    poly: Tensor,
+    x: Tensor,
+    *,
+    alpha: float = 1.0,
+    out: Tensor | None = None,
+    sumsq: Tensor | None = None,
+    norm_scale: float | None = None,
+    eps: float | Tensor | None = None,
+) -> Tensor:
     """``out = alpha x + poly @ x`` for a batch x [B, M, N] (any strides) and a symmetric
     ``poly`` [B, M, M] of x's dtype (``alpha = 0``: x is not read again, not even a NaN).
     ``out`` [B, M, N], any strides and float dtype, must not overlap x or poly (the kernel
-    reads x again after other tiles are written). Returns out."""
+    reads x again after other tiles are written). Returns out.
+
+    With ``sumsq`` ([B] fp32, contiguous), ``norm_scale`` and ``eps`` (a number or an fp32
+    device tensor [1]): x is taken as normalized, ``s x`` with ``normalize``'s scale
+    ``s = bf16(1 / (sqrt(sumsq) * norm_scale + eps))`` per matrix, so
+    ``out = s (alpha x + poly @ x)`` in fp32, one rounding: Polar Express's first
+    iteration on the caller's x, which is only read."""
     if x.ndim != 3:
         raise ValueError(f"expected x [B, M, N], got shape {tuple(x.shape)}")
     batch, m, n = x.shape
+    scale = norm_scale_arg(sumsq, norm_scale, eps, batch, x.device)
     if poly.shape != (batch, m, m) or poly.device != x.device or poly.dtype != x.dtype:
         raise ValueError(f"poly must be [{batch}, {m}, {m}] {x.dtype} on {x.device}")
     if out is None:
@@ -306,6 +376,7 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         x.stride(-1) == 1,  # rows contiguous, or a transposed view
         poly.stride(-1) == 1,
         alpha != 0.0,
+        scale is not None,  # another compiled kernel (the scale's loads and multiply)
         tma,
     )  # never the batch: the config sets the order of the sums, so a matrix's bits
 
@@ -314,7 +385,8 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
         n_batch = tuning_batch(m * n)
         sp, sx = _scratch(poly, n_batch), _scratch(x, n_batch)
         so = torch.empty(n_batch, m, n, dtype=out.dtype, device=out.device)
-        return bench_ms(lambda: _launch(sp, sx, so, alpha, config))
+        ss = None if scale is None else _scratch_scale(scale, n_batch)
+        return bench_ms(lambda: _launch(sp, sx, so, alpha, config, ss))
 
     if x.element_size() > 2:
         configs = POLY_APPLY_FP32_CONFIGS
@@ -323,15 +395,24 @@ def poly_apply(poly: Tensor, x: Tensor, *, alpha: float = 1.0, out: Tensor | Non
     config = TUNER.choose(
         "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
     )
-    _launch(poly, x, out, float(alpha), config)
+    _launch(poly, x, out, float(alpha), config, scale)
     return out
 
 
 def poly_apply_reference(
-    poly: Tensor, x: Tensor, *, alpha: float = 1.0, out_dtype: torch.dtype | None = None
+    poly: Tensor,
+    x: Tensor,
+    *,
+    alpha: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+    sumsq: Tensor | None = None,
+    norm_scale: float | None = None,
+    eps: float | Tensor | None = None,
 ) -> Tensor:
     """The same in fp32 (one rounding to out_dtype, default x's, at the end)."""
     acc = poly.float() @ x.float()
     if alpha != 0.0:
         acc = alpha * x.float() + acc
+    if sumsq is not None:
+        acc = acc * normalize_scale(sumsq, norm_scale=norm_scale, eps=eps).float()[:, None, None]
     return acc.to(out_dtype or x.dtype)

@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel tests: devices, random data, bf16-aware comparison."""
+"""Helpers shared by the kernel tests: devices, random data, bf16-aware comparison, NaN-poisoned
+outputs, the TMA-readable bf16 layouts."""
 
 from __future__ import annotations
 
@@ -61,3 +62,37 @@ def tuning_as_on_a_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "1")
     monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
     return tuner
+
+
+def poisoned(shape, dtype, device):
+    """NaN everywhere: an output element that a kernel leaves unwritten fails the check."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_within_rounding(got, want, terms):
+    """fp32: relative to the sum of the products' magnitudes (accumulation order); 16-bit:
+    one ulp of the fp32 reference's rounding (fp16: 2^-10 relative) plus the same."""
+    err = (got.float().cpu() - want).abs()
+    if got.dtype == torch.float32:
+        bound = 1e-6 * terms + 1e-30
+    else:
+        bound = bf16_ulp(want) * 1.001 if got.dtype == torch.bfloat16 else want.abs() * 2.0**-10
+        bound = bound + 1e-5 * terms
+    assert (err <= bound).all(), f"max error {err.max().item()}, {(err > bound).sum()} over"
+
+
+def bf16_input(batch, m, k, transposed, seed):
+    """bf16 [batch, m, k] of norm about 1 a row: rows contiguous, or a ``.mT`` view (its
+    stored rows of m padded to a multiple of 8 elements, so that TMA reads it)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, k, m) if transposed else (batch, m, k)
+    x = (torch.randn(shape, generator=gen) / k**0.5).to("cuda", torch.bfloat16)
+    return padded(x).mT if transposed else x
+
+
+def padded(t):
+    """A copy of t [B, r, c] whose rows are padded to a multiple of 8 elements (TMA)."""
+    c = t.size(-1)
+    buf = torch.zeros(*t.shape[:2], c + (-c % 8), dtype=t.dtype, device=t.device)
+    buf[:, :, :c].copy_(t)
+    return buf[:, :, :c]

@@ -159,8 +159,12 @@ def drive_tma() -> None:
     """The TMA configs of the 2-D products with every code path their launchers can take
     (the recorded steps, on small matrices, reach only some): layouts (rows contiguous,
     ``.mT`` views, a padded row stride), Y, the diagonal, symmetrize, w, alpha X, tiles that
-    divide the matrix or not; bf16, and fp16 (Gram Newton-Schulz's) with the first config."""
+    divide the matrix or not, the normalization's scale folded in (Polar Express's first
+    iteration, bf16); bf16, and fp16 (Gram Newton-Schulz's) with the first config."""
     from muon_offload.kernels import gram, poly_apply
+    from muon_offload.kernels.normalize import norm_scale_arg
+
+    scale = norm_scale_arg(torch.ones(2), 1.02, 1e-8, 2, torch.device("cpu"))
 
     def layouts(b, r, c, dtype):
         """[b, r, c] rows contiguous, a .mT view, and rows padded to a multiple of 16."""
@@ -179,6 +183,8 @@ def drive_tma() -> None:
                 out = torch.zeros(2, 200, 200, dtype=dtype)
                 # Polar Express: X X^T; Gram Newton-Schulz: R = X X^T symmetrized, S T.
                 gram._launch(x, x, None, out, 1.0, 0.0, 0.0, False, config)
+                if dtype == torch.bfloat16:
+                    gram._launch(x, x, None, out, 1.0, 0.0, 0.0, False, config, scale)
                 gram._launch(x, x, None, out, 1.0, 0.0, 0.0, True, config)
                 w = torch.zeros(2, 200, 264, dtype=dtype)
                 gram._launch(x, w, None, out, 1.0, 0.0, 0.0, True, config)
@@ -195,6 +201,8 @@ def drive_tma() -> None:
                     out = torch.zeros(2, m, n, dtype=dtype)
                     for alpha in (3.9, 0.0):
                         poly_apply._launch(poly, x, out, alpha, config)
+                    if dtype == torch.bfloat16:
+                        poly_apply._launch(poly, x, out, 3.9, config, scale)
                 poly_apply._launch(poly.mT, x, out, 3.9, config)  # column-major poly
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _kernel_utils import DEVICES as KERNEL_DEVICES
-from _kernel_utils import bf16_ulp, randn
+from _kernel_utils import assert_within_rounding, bf16_input, padded, poisoned, randn
 from muon_offload.kernels import _launch, _tma
 from muon_offload.kernels import gram as gram_module
 from muon_offload.kernels import poly_apply as poly_apply_module
@@ -104,22 +104,6 @@ def untuned(monkeypatch):
     monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "0")
 
 
-def _poisoned(shape, dtype, device):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
-def _assert_within_rounding(got, want, terms):
-    """fp32: relative to the sum of the products' magnitudes (accumulation order); 16-bit:
-    one ulp of the fp32 reference's rounding (fp16: 2^-10 relative) plus the same."""
-    err = (got.float().cpu() - want).abs()
-    if got.dtype == torch.float32:
-        bound = 1e-6 * terms + 1e-30
-    else:
-        bound = bf16_ulp(want) * 1.001 if got.dtype == torch.bfloat16 else want.abs() * 2.0**-10
-        bound = bound + 1e-5 * terms
-    assert (err <= bound).all(), f"max error {err.max().item()}, {(err > bound).sum()} over"
-
-
 def _check_gram(got, x, *, alpha=1.0, y=None, beta=0.0):
     """Within one ulp of the fp32 reference's rounding (plus fp32 accumulation-order error,
     bounded by a few fp32 ulps of the sum of |terms|); fp32 outputs to a few fp32 ulps."""
@@ -127,7 +111,7 @@ def _check_gram(got, x, *, alpha=1.0, y=None, beta=0.0):
     want = sym_gram_reference(x, alpha=alpha, y=y, beta=beta).float().cpu()
     xf = x.float().cpu().abs()
     terms = abs(alpha) * (xf @ xf.mT) + (abs(beta) * y.float().cpu().abs() if y is not None else 0)
-    _assert_within_rounding(got, want, terms)
+    assert_within_rounding(got, want, terms)
 
 
 # Sizes under the interpreter's 32 x 32 tiles: 1 row; 40 rows (2 tiles a side, a partial
@@ -139,7 +123,7 @@ def _check_gram(got, x, *, alpha=1.0, y=None, beta=0.0):
 def test_sym_gram_matches_reference(device, dtype, m, k, untuned):
     gen = torch.Generator().manual_seed(m + k)
     x = randn((2, m, k), dtype, device, generator=gen)
-    out = _poisoned((2, m, m), dtype, device)
+    out = poisoned((2, m, m), dtype, device)
     assert sym_gram(x, out=out) is out
     _check_gram(out, x)
 
@@ -150,7 +134,7 @@ def test_sym_gram_transposed_input_and_strided_out(device, dtype, untuned):
     """x a ``.mT`` view (the tall matrices' layout), out a transposed view of a buffer."""
     gen = torch.Generator().manual_seed(1)
     x = randn((2, 45, 40), dtype, device, generator=gen).mT  # [2, 40, 45], stride(-2) == 1
-    out = _poisoned((2, 40, 40), dtype, device).mT
+    out = poisoned((2, 40, 40), dtype, device).mT
     sym_gram(x, alpha=0.5, out=out)
     _check_gram(out, x, alpha=0.5)
 
@@ -162,7 +146,7 @@ def test_sym_gram_polynomial(device, dtype, untuned):
     gen = torch.Generator().manual_seed(2)
     x = randn((3, 40, 24), torch.float32, device, generator=gen)
     a = (x @ x.mT / 24).to(dtype)
-    out = _poisoned(a.shape, dtype, device)
+    out = poisoned(a.shape, dtype, device)
     sym_gram(a, alpha=0.4232, y=a, beta=-1.7098, out=out)
     _check_gram(out, a, alpha=0.4232, y=a, beta=-1.7098)
 
@@ -207,7 +191,7 @@ def _check_apply(got, poly, x, alpha):
     want = poly_apply_reference(poly, x, alpha=alpha).float().cpu()
     xf = x.float().cpu().abs()
     terms = abs(alpha) * xf + poly.float().cpu().abs() @ xf
-    _assert_within_rounding(got, want, terms)
+    assert_within_rounding(got, want, terms)
 
 
 def _symmetric(batch, m, dtype, device, gen):
@@ -224,7 +208,7 @@ def test_poly_apply_matches_reference(device, dtype, m, n, untuned):
     gen = torch.Generator().manual_seed(m + n)
     x = randn((2, m, n), dtype, device, generator=gen)
     poly = _symmetric(2, m, dtype, device, gen)
-    out = _poisoned((2, m, n), dtype, device)
+    out = poisoned((2, m, n), dtype, device)
     assert poly_apply(poly, x, alpha=2.3466, out=out) is out
     _check_apply(out, poly, x, 2.3466)
 
@@ -238,7 +222,7 @@ def test_poly_apply_transposed_views(device, dtype, untuned):
     x = randn((2, 45, 40), dtype, device, generator=gen).mT  # [2, 40, 45], stride(-2) == 1
     poly = _symmetric(2, 40, dtype, device, gen).mT.contiguous().mT
     assert poly.stride(-2) == 1
-    out = _poisoned((2, 45, 40), dtype, device).mT
+    out = poisoned((2, 45, 40), dtype, device).mT
     poly_apply(poly, x, alpha=-0.5, out=out)
     _check_apply(out, poly, x, -0.5)
 
@@ -319,7 +303,7 @@ def test_sym_gram_bf16_bench_shape(transposed):
     if not transposed:
         x = x.contiguous()
     x = x / 64
-    gram = sym_gram(x, out=_poisoned((4, 768, 768), torch.bfloat16, "cuda"))
+    gram = sym_gram(x, out=poisoned((4, 768, 768), torch.bfloat16, "cuda"))
     _check_gram(gram, x)
     poly = sym_gram(gram, alpha=0.506, y=gram, beta=-2.77)
     _check_gram(poly, gram, alpha=0.506, y=gram, beta=-2.77)
@@ -338,7 +322,7 @@ def test_poly_apply_bf16_bench_shape(transposed, config):
     x = x / 64
     gram = torch.bmm(x, x.mT)
     poly = torch.baddbmm(gram, gram, gram, beta=-2.77, alpha=0.506)
-    out = _poisoned(x.shape, torch.bfloat16, "cuda")
+    out = poisoned(x.shape, torch.bfloat16, "cuda")
     poly_apply_module._launch(poly, x, out, 3.8917, config)
     _check_apply(out, poly, x, 3.8917)
 
@@ -400,25 +384,27 @@ def test_tma_configs_offered_by_layout_never_by_batch(monkeypatch, make, tma):
         assert key[-1] is False and not any(c.tma for c in configs)
 
 
+def test_scale_in_the_tuning_key_never_the_batch(monkeypatch):
+    """The folded normalization (``sumsq``) compiles another kernel: its presence is in the
+    key, beside TMA's flag (last); the key of a matrix alone is its batch's."""
+    x = torch.zeros(5, 40, 64, dtype=torch.bfloat16)
+    poly = torch.zeros(5, 40, 40, dtype=torch.bfloat16)
+    sumsq = torch.ones(5)
+    for fn, args in ((sym_gram, (x,)), (poly_apply, (poly, x))):
+        plain = _offered(monkeypatch, fn, *args)[0]
+        keys = set()
+        for i, j in ((0, 5), (2, 3), (1, 4)):
+            part = [a[i:j] for a in args]
+            kw = dict(sumsq=sumsq[i:j], norm_scale=1.02, eps=1e-8)
+            keys.add(_offered(monkeypatch, fn, *part, **kw)[0])
+        assert len(keys) == 1
+        (key,) = keys
+        assert key[-2] is True and plain[-2] is False
+        assert key[:-2] == plain[:-2] and key[-1] == plain[-1]
+
+
 GRAM_TMA_CONFIGS = [c for c in gram_module.GRAM_CONFIGS if c.tma]
 POLY_TMA_CONFIGS = [c for c in poly_apply_module.POLY_APPLY_CONFIGS if c.tma]
-
-
-def _bf16_input(batch, m, k, transposed, seed):
-    """bf16 [batch, m, k] of norm about 1 a row: rows contiguous, or a ``.mT`` view (its
-    stored rows of m padded to a multiple of 8 elements, so that TMA reads it)."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (batch, k, m) if transposed else (batch, m, k)
-    x = (torch.randn(shape, generator=gen) / k**0.5).to("cuda", torch.bfloat16)
-    return _padded(x).mT if transposed else x
-
-
-def _padded(t):
-    """A copy of t [B, r, c] whose rows are padded to a multiple of 8 elements (TMA)."""
-    c = t.size(-1)
-    buf = torch.zeros(*t.shape[:2], c + (-c % 8), dtype=t.dtype, device=t.device)
-    buf[:, :, :c].copy_(t)
-    return buf[:, :, :c]
 
 
 @pytest.mark.cuda
@@ -431,28 +417,28 @@ def test_sym_gram_tma_configs_match_reference(config, transposed, m, k):
     """Each TMA config (and the pointer kernel) forced, bf16, odd sizes and the ``.mT``
     layout: X X^T, then b A + c A A on it, then Gram Newton-Schulz's product with w, a I and
     symmetrize; NaN-poisoned outputs. A matrix alone has the bits it has in a batch of 5."""
-    x = _bf16_input(5, m, k, transposed, seed=m + k)
+    x = bf16_input(5, m, k, transposed, seed=m + k)
     assert _tma.tma_layout(x) is not None
-    gram = _poisoned((5, m, m), torch.bfloat16, "cuda")
+    gram = poisoned((5, m, m), torch.bfloat16, "cuda")
     gram_module._launch(x, x, None, gram, 1.0, 0.0, 0.0, False, config)
     _check_gram(gram, x)
-    alone = _poisoned((1, m, m), torch.bfloat16, "cuda")
+    alone = poisoned((1, m, m), torch.bfloat16, "cuda")
     gram_module._launch(x[3:4], x[3:4], None, alone, 1.0, 0.0, 0.0, False, config)
     assert torch.equal(alone[0], gram[3])
 
-    a = _padded(gram[:3])
+    a = padded(gram[:3])
     assert _tma.tma_layout(a) is not None
-    poly = _poisoned((3, m, m), torch.bfloat16, "cuda")
+    poly = poisoned((3, m, m), torch.bfloat16, "cuda")
     gram_module._launch(a, a, a, poly, 0.506, -2.77, 0.0, False, config)
     _check_gram(poly, a, alpha=0.506, y=a, beta=-2.77)
 
-    w = _padded(sym_gram_reference(x[:3], alpha=0.5))
-    got = _poisoned((3, m, m), torch.bfloat16, "cuda")
+    w = padded(sym_gram_reference(x[:3], alpha=0.5))
+    got = poisoned((3, m, m), torch.bfloat16, "cuda")
     gram_module._launch(a, w, a, got, 0.7, -1.3, 2.5, True, config)
     want = sym_gram_reference(a, w=w, alpha=0.7, y=a, beta=-1.3, diag=2.5).float().cpu()
     assert torch.equal(got, got.mT), "not symmetric bit for bit"
     af, wf = a.float().cpu().abs(), w.float().cpu().abs()
-    _assert_within_rounding(got, want, 0.7 * (af @ wf.mT) + 1.3 * af + 2.5)
+    assert_within_rounding(got, want, 0.7 * (af @ wf.mT) + 1.3 * af + 2.5)
 
 
 @pytest.mark.cuda
@@ -466,18 +452,18 @@ def test_sym_gram_tma_configs_match_reference(config, transposed, m, k):
 def test_poly_apply_tma_configs_match_reference(config, transposed, m, n):
     """As for sym_gram: each config forced, bf16, odd sizes, x a ``.mT`` view or not, poly
     with padded rows (or column-major), alpha X and none; a matrix alone equals its batch's."""
-    x = _bf16_input(5, m, n, transposed, seed=m * n)
-    poly = _padded(sym_gram_reference(x, alpha=0.8, symmetrize=True))  # bitwise symmetric
+    x = bf16_input(5, m, n, transposed, seed=m * n)
+    poly = padded(sym_gram_reference(x, alpha=0.8, symmetrize=True))  # bitwise symmetric
     assert _tma.tma_layout(x) is not None and _tma.tma_layout(poly) is not None
     for alpha in (3.8917, 0.0):
-        out = _poisoned((5, m, n), torch.bfloat16, "cuda")
+        out = poisoned((5, m, n), torch.bfloat16, "cuda")
         poly_apply_module._launch(poly, x, out, alpha, config)
         _check_apply(out, poly, x, alpha)
-        alone = _poisoned((1, m, n), torch.bfloat16, "cuda")
+        alone = poisoned((1, m, n), torch.bfloat16, "cuda")
         poly_apply_module._launch(poly[2:3], x[2:3], alone, alpha, config)
         assert torch.equal(alone[0], out[2])
     if m % 8 == 0:  # poly column-major: read as its transpose
-        out = _poisoned((5, m, n), torch.bfloat16, "cuda")
+        out = poisoned((5, m, n), torch.bfloat16, "cuda")
         poly_apply_module._launch(poly.mT.contiguous().mT, x, out, -0.5, config)
         _check_apply(out, poly, x, -0.5)
 
@@ -489,7 +475,7 @@ def test_tuned_products_batch_invariant_with_tma(transposed, monkeypatch):
     a matrix alone (a batch of one, same layout) gets the bits it gets in a batch of 5, on
     the qwen3 expert shape."""
     monkeypatch.setenv("MUON_OFFLOAD_TMA", "1")
-    x = _bf16_input(5, 768, 2048, transposed, seed=7)
+    x = bf16_input(5, 768, 2048, transposed, seed=7)
     gram = sym_gram(x)
     assert torch.equal(sym_gram(x[1:2])[0], gram[1])
     poly = sym_gram(gram, alpha=0.506, y=gram, beta=-2.77)
@@ -502,9 +488,9 @@ def test_tuned_products_batch_invariant_with_tma(transposed, monkeypatch):
 def test_tma_products_captured_in_a_cuda_graph():
     """The TMA kernels' descriptors are host objects passed by value: a launch captures (no
     device allocation, no sync) and a replay reads the buffers' new contents."""
-    x = _bf16_input(3, 200, 1000, True, seed=8)
-    a = _padded(torch.empty(3, 200, 200, dtype=torch.bfloat16, device="cuda"))
-    p = _padded(torch.empty(3, 200, 200, dtype=torch.bfloat16, device="cuda"))
+    x = bf16_input(3, 200, 1000, True, seed=8)
+    a = padded(torch.empty(3, 200, 200, dtype=torch.bfloat16, device="cuda"))
+    p = padded(torch.empty(3, 200, 200, dtype=torch.bfloat16, device="cuda"))
     out = torch.empty(3, 200, 1000, dtype=torch.bfloat16, device="cuda")
 
     def body():
@@ -517,7 +503,7 @@ def test_tma_products_captured_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         body()
-    x.copy_(_bf16_input(3, 200, 1000, True, seed=9))
+    x.copy_(bf16_input(3, 200, 1000, True, seed=9))
     graph.replay()
     got = out.clone()
     body()
