@@ -4,12 +4,20 @@ Gram Newton-Schulz (``gram_newton_schulz.py``: the same steps carried on X X^T).
 Input: U [B, m, n] bf16 and, when the caller has it, each matrix's sum of squares
 [B] fp32 (the Muon prep kernel produces it, so the normalization needs no extra pass).
 Tall matrices (m > n) run on their transpose, so the Gram matrix X X^T is the small one.
-Each iteration is X <- a X + (b A + c A A) X with A = X X^T, every bf16 intermediate
-rounded once. The two symmetric products (A, and b A + c A A) run either on batched cuBLAS
-(``bmm`` / ``baddbmm``) or on the Triton kernel of ``gram.py`` that computes only the tiles
-on and below the diagonal; ``X <- a X + B X`` on cuBLAS ``baddbmm`` or on the Triton kernel
-of ``poly_apply.py``, which writes into two buffers in turn (the scaled input is one of them
-when it is contiguous).
+X0 = s U with s = bf16(1 / (norm * norm_scale + eps)) per matrix; then each iteration is
+X <- a X + (b A + c A A) X with A = X X^T, every bf16 intermediate rounded once. The two
+symmetric products (A, and b A + c A A) run either on batched cuBLAS (``bmm`` /
+``baddbmm``) or on the Triton kernel of ``gram.py`` that computes only the tiles on and
+below the diagonal; ``X <- a X + B X`` on cuBLAS ``baddbmm`` or on the Triton kernel of
+``poly_apply.py``, which writes into two buffers in turn.
+
+Where all three products run on Triton ("triton_all", CUDA's path for bf16; Polar Express
+and Newton-Schulz5 on bf16 or fp32), the normalization is folded into the first iteration:
+A = s^2 U U^T (``sym_gram``'s scale) and X1 = s (a U + B U) (``poly_apply``'s), so X0 is
+never formed (one pass over the batch fewer, and one bf16 rounding fewer) and the caller's
+U is only read. Elsewhere ``normalize.py`` writes X0 into a fresh buffer first (one of the
+two that poly_apply then writes into in turn, when it is contiguous). Gram Newton-Schulz
+always normalizes first (fp16, its own scale).
 
 A matrix's result does not depend on the batch it came in: on CUDA every choice (the
 products' path, each kernel's config, the order of the norm's sum) follows from the
@@ -94,7 +102,7 @@ def orthogonalize(
     eps: float | Tensor = 1e-8,
 ) -> Tensor:
     """Return the orthogonalized batch [B, m, n] in bf16 (not necessarily contiguous). ``eps``:
-    a number, or an fp32 device tensor holding it (read by the normalization kernel)."""
+    a number, or an fp32 device tensor holding it (read by the kernels that scale)."""
     return orthogonalize_on(update, sumsq, method=method, eps=eps, products="auto")
 
 
@@ -155,6 +163,13 @@ def orthogonalize_on(
         else:  # square: nothing to gain, the iteration on X (as the package does)
             x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply).to(update.dtype)
         return x.mT if tall else x
+    if products == "triton_all" and x.dtype in (torch.bfloat16, torch.float32):
+        # The normalization folded into the first iteration (sym_gram's and poly_apply's
+        # scale): no pass over the batch, and X0 = s U is never rounded. fp16 input keeps the
+        # torch expression below, whose bf16 scale promotes it to fp32.
+        scale = dict(sumsq=sumsq, norm_scale=spec.norm_scale, eps=eps)
+        x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply, scale=scale)
+        return x.mT if tall else x
     # One bf16 multiply per element (fp32 inside, one rounding): no fp32 copy of the batch.
     # The kernel and the torch expression round alike; the kernel runs on CUDA, and on the
     # CPU (interpreter) when a Triton path is asked for. Its output is a fresh tensor, which
@@ -167,24 +182,35 @@ def orthogonalize_on(
     return x.mT if tall else x
 
 
-def _iterate(x: Tensor, coeffs, tri_gram: bool, tri_poly: bool, tri_apply: bool) -> Tensor:
-    """X <- a X + (b A + c A A) X with A = X X^T, per coefficient triple, on x [B, m, n]."""
+def _iterate(
+    x: Tensor, coeffs, tri_gram: bool, tri_poly: bool, tri_apply: bool, scale: dict | None = None
+) -> Tensor:
+    """X <- a X + (b A + c A A) X with A = X X^T, per coefficient triple, on x [B, m, n].
+    With ``scale`` (sym_gram's and poly_apply's keywords; both on Triton): x is the caller's
+    unnormalized batch, scaled inside the first iteration's Gram and apply, and only read."""
+    if scale is not None and not (tri_gram and tri_apply):
+        raise ValueError("the scale folds into sym_gram and poly_apply: both on Triton")
     m = x.size(-2)
     gram_buf = x.new_empty(x.size(0), m, m) if tri_gram else None
     poly_buf = x.new_empty(x.size(0), m, m) if tri_poly else None
+    ours = scale is None  # the caller's x is never written; normalize's copy is ours
     spare = None  # poly_apply's next output: the buffer that the previous iteration read
     for a, b, c in coeffs:
-        gram = sym_gram(x, out=gram_buf) if tri_gram else torch.bmm(x, x.mT)
+        first = scale or {}  # the scale applies to the first iteration's x only
+        gram = sym_gram(x, out=gram_buf, **first) if tri_gram else torch.bmm(x, x.mT)
         if tri_poly:
             poly = sym_gram(gram, alpha=c, y=gram, beta=b, out=poly_buf)
         else:
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         if tri_apply:
-            # x is ours (the scaled copy, or a buffer of this loop); a .mT-laid-out first x
-            # is not reused, so every output is contiguous, as baddbmm's are.
+            # x becomes the next output once read, when it is ours (normalize's copy, or a
+            # buffer of this loop) and contiguous: a .mT-laid-out first x is not reused, so
+            # every output is contiguous, as baddbmm's are. The caller's U (the first x with
+            # the scale) is never written: two fresh buffers either way.
             out = spare if spare is not None else x.new_empty(x.shape)
-            spare = x if x.is_contiguous() else None
-            x = poly_apply(poly, x, alpha=a, out=out)
+            spare = x if ours and x.is_contiguous() else None
+            x = poly_apply(poly, x, alpha=a, out=out, **first)
         else:
             x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
+        scale, ours = None, True
     return x

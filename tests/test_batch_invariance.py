@@ -30,12 +30,15 @@ def _in_batches(fn, probe: torch.Tensor, sizes, gen):
 # Interpreter: the Triton paths forced (as CUDA runs them), fp32 / fp16 input (bf16 dots are
 # garbage there). 24 x 40 is one 32-wide tile with two K steps.
 @pytest.mark.skipif(not INTERPRETED, reason="the Triton paths run on the CPU under the interpreter")
-# Two cases only: each costs ~30 s of interpreted programs (60 matrices, 16 to 19 launches).
+# Three cases only: each costs ~30 s of interpreted programs (60 matrices, 15 to 19
+# launches). Polar Express and Newton-Schulz5 fold the normalization into the first
+# iteration's products (the scale per matrix, read by index), wide and tall.
 @pytest.mark.parametrize(
     "method, dtype, shape",
     [
         ("polar_express", torch.float32, (24, 40)),
-        ("gram_newton_schulz", torch.float16, (40, 24)),  # tall: the .mT path
+        ("newton_schulz5", torch.float32, (40, 24)),  # tall: the .mT path
+        ("gram_newton_schulz", torch.float16, (40, 24)),
     ],
     ids=str,
 )
@@ -98,6 +101,7 @@ def test_orthogonalize_and_prep_bits_do_not_depend_on_batch_gpu(method, shape):
         u, sumsq = muon_prep(ms, gs, mu=0.95, nesterov=True)
         got = (u[at].clone(), sumsq[at].clone(), orthogonalize(u, sumsq, method=method)[at])
         got = (*got, orthogonalize(u, None, method=method)[at])  # its own sums (sharded path)
+        assert torch.equal(u[at], got[0]), "orthogonalize wrote its input"
         del ms, gs, u
         if first is None:
             first = got

@@ -1,6 +1,7 @@
 """The normalization folded into Polar Express's first iteration: ``sym_gram`` and
 ``poly_apply`` with a per-matrix scale (``sumsq``, ``norm_scale``, ``eps``), against float64
-references written here. Under the interpreter ``tl.dot`` on bf16 is garbage, so the CPU
+references written here, and ``orthogonalize_on(products="triton_all")``, which uses them,
+against float64 Polar Express. Under the interpreter ``tl.dot`` on bf16 is garbage, so the CPU
 tests use fp32 and fp16; the GPU tests bf16, the TMA kernels with each config forced."""
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ import torch
 from _kernel_utils import DEVICES as KERNEL_DEVICES
 from _kernel_utils import assert_within_rounding, bf16_input, padded, poisoned
 from muon_offload.kernels import gram as gram_module
+from muon_offload.kernels import orthogonalize as ortho_module
 from muon_offload.kernels import poly_apply as poly_apply_module
 from muon_offload.kernels.gram import sym_gram, sym_gram_reference
-from muon_offload.kernels.normalize import norm_scale_arg
-from muon_offload.kernels.orthogonalize import POLAR_EXPRESS_NORM_SCALE
+from muon_offload.kernels.normalize import norm_scale_arg, normalize
+from muon_offload.kernels.orthogonalize import POLAR_EXPRESS_NORM_SCALE, orthogonalize_on
 from muon_offload.kernels.poly_apply import poly_apply, poly_apply_reference
+
+from reference64 import POLAR_EXPRESS, orthogonalize64
 
 NORM_SCALE = POLAR_EXPRESS_NORM_SCALE
 
@@ -153,6 +157,85 @@ def test_scale_arguments_are_validated_before_launch():
     assert norm_scale_arg(None, None, None, 2, torch.device("cpu")) is None
 
 
+# --- orthogonalize: the fold on the "triton_all" path -------------------------------------
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def _polar_express64(u, sumsq, eps=1e-8):
+    """Polar Express in float64 from X0 = s U with the kernels' bf16 scale s (so that the
+    scale's rounding, which both paths share, does not hide the products' error)."""
+    x = u.double()
+    tall = x.size(-2) > x.size(-1)
+    x = (x.mT if tall else x) * _scale64(sumsq, eps).to(x.device)
+    for a, b, c in POLAR_EXPRESS:
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("shape", [(2, 24, 40), (2, 70, 40)], ids=str)
+def test_orthogonalize_folded_matches_float64(device, shape, untuned):
+    """fp32 input (the interpreter's dot is exact enough), wide and tall: the folded path
+    against float64 Polar Express and against the cuBLAS path (which normalizes first); the
+    caller's U is only read."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    u, sumsq = _unnormalized(shape, torch.float32, device, gen)
+    u_before = u.clone()
+    got = orthogonalize_on(u, sumsq, products="triton_all")
+    assert torch.equal(u, u_before), "the caller's U was written"
+    assert got.shape == u.shape and not torch.isnan(got).any()
+    cublas = orthogonalize_on(u, sumsq, products="cublas").double().cpu()
+    # Measured (CPU, triton 3.9 interpreter, seeds 0 to 2 of each shape): from float64 with
+    # the same bf16 scale 1.8e-6 to 2.8e-6 (the cuBLAS path: 2.2e-6 to 2.7e-6), 1.9e-6 to
+    # 2.1e-6 between the two. From float64 with the exact scale 0.5% to 2.3%, both paths
+    # alike: the scale's bf16 rounding (up to 2^-9) moves the singular values that five
+    # iterations leave unconverged (test_math's 3% covers it).
+    assert _rel(got.cpu(), _polar_express64(u.cpu(), sumsq)) < 1e-5
+    assert _rel(got.cpu(), cublas) < 1e-5
+    assert _rel(got.cpu(), torch.stack([orthogonalize64(m) for m in u.cpu()])) < 3e-2
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_orthogonalize_folded_zero_matrix_with_a_tiny_eps(device, untuned):
+    """A zero matrix (a padding one, an unused expert's) with eps = 1e-30: s = 1e30, whose
+    square overflows fp32; its update must be zero, as on the path that normalizes first."""
+    gen = torch.Generator().manual_seed(4)
+    u, sumsq = _unnormalized((3, 24, 40), torch.float32, device, gen)
+    u[1] = 0.0
+    sumsq[1] = 0.0
+    got = orthogonalize_on(u, sumsq, eps=1e-30, products="triton_all")
+    assert not torch.isnan(got).any() and torch.equal(got[1], torch.zeros_like(got[1]))
+    cublas = orthogonalize_on(u, sumsq, eps=1e-30, products="cublas")
+    assert _rel(got.cpu(), cublas.double().cpu()) < 1e-5
+
+
+def test_orthogonalize_folded_writes_two_fresh_buffers(monkeypatch, untuned):
+    """The first iteration reads the caller's U: it never becomes poly_apply's output, and
+    the outputs rotate over two fresh buffers (the unfolded path's count: normalize's copy
+    and one more)."""
+    outs = []
+    real = ortho_module.poly_apply
+
+    def recording(poly, x, **kw):
+        outs.append(kw["out"].data_ptr())
+        return real(poly, x, **kw)
+
+    monkeypatch.setattr(ortho_module, "poly_apply", recording)
+    gen = torch.Generator().manual_seed(1)
+    for transposed in (False, True):
+        outs.clear()
+        u, sumsq = _unnormalized((2, 24, 40), torch.float32, "cpu", gen, transposed)
+        if transposed:
+            u = u.mT  # tall [2, 40, 24]: runs on its .mT, the wide contiguous view
+        orthogonalize_on(u, sumsq, products="triton_all")
+        assert len(outs) == 5 and len(set(outs)) == 2, outs
+        assert u.data_ptr() not in outs
+
+
 # --- GPU: bf16, the TMA kernels with each config forced ----------------------------------
 
 GRAM_TMA_CONFIGS = [c for c in gram_module.GRAM_CONFIGS if c.tma]
@@ -221,3 +304,46 @@ def test_poly_apply_scale_tma_configs(config, transposed, m, n):
     poly_apply_module._launch(poly[2:3], x[2:3], alone, 3.8917, config, one)
     assert torch.equal(alone[0], out[2])
     assert torch.equal(x, x_before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tma", ["0", "1"])
+@pytest.mark.parametrize("shape", [(16, 768, 2048), (4, 2048, 768), (3, 200, 300)], ids=str)
+def test_orthogonalize_folded_bf16_vs_float64(shape, tma, monkeypatch):
+    """bf16 on the bench shapes, tuned (TMA configs offered or not): the folded path against
+    float64 within test_math's update tolerance (3%), no farther than the unfolded path
+    (normalize, then the same products) from float64 started with the same bf16 scale (5%
+    margin: the rounding noise of two equally good orders), no more peak memory than it, and
+    the caller's U unchanged."""
+    monkeypatch.setenv("MUON_OFFLOAD_TMA", tma)
+    torch.manual_seed(0)
+    u = torch.randn(shape, device="cuda").to(torch.bfloat16)
+    sumsq = u.float().square().sum(dim=(1, 2))
+    u_before = u.clone()
+    x = u.mT if shape[1] > shape[2] else u
+
+    def unfolded():
+        x0 = normalize(x, sumsq, norm_scale=NORM_SCALE, eps=1e-8)
+        out = ortho_module._iterate(x0, ortho_module.POLAR_EXPRESS_COEFFS, True, True, True)
+        return out.mT if x is not u else out
+
+    def folded():
+        return orthogonalize_on(u, sumsq, products="triton_all")
+
+    peaks, results = {}, {}
+    for name, fn in (("unfolded", unfolded), ("folded", folded)):
+        fn()  # tunes and compiles
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        results[name] = fn()[:4]
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    assert torch.equal(u, u_before), "the caller's U was written"
+    exact = torch.stack([orthogonalize64(m) for m in u[:4]])
+    same = _polar_express64(u[:4], sumsq[:4])
+    err = {k: (_rel(r, exact), _rel(r, same)) for k, r in results.items()}
+    print(f"{shape} tma={tma}: vs f64 (exact scale, same scale) {err}; peak bytes {peaks}")
+    assert err["folded"][0] < 3e-2
+    assert err["folded"][1] <= 1.05 * err["unfolded"][1]
+    assert peaks["folded"] <= peaks["unfolded"]
