@@ -5,10 +5,12 @@ X may have any strides (the tall matrices run on a ``.mT`` view). One product of
 block and X's column block per output tile, fp32 accumulation, ``alpha X`` added in fp32 and
 one rounding to out's dtype: what cuBLAS ``baddbmm(X, B, X, beta=alpha)`` computes, without
 its copy of X into the output first. Tiles are numbered along a row of tiles first, so the
-programs that run together share B's row block.
+programs that run together share B's row block. Given the sums of squares, the first
+iteration's ``s (alpha X + B X)``: the normalization's scale s folded in, X the caller's.
 
 As in ``gram.py``, a pointer kernel and, for the 16-bit layouts TMA reads (X and B; X may
-be a ``.mT`` view), a persistent TMA one, their configs candidates of one tuning key.
+be a ``.mT`` view), a persistent TMA one (``poly_apply_tma.py``, with the epilogue both
+share), their configs candidates of one tuning key.
 
 ``poly_apply`` is the Triton launcher, ``poly_apply_reference`` the torch version it matches.
 """
@@ -29,9 +31,10 @@ from ._launch import (
     dtype_name,
     tuning_batch,
 )
-from ._tma import persistent_grid, tensor_descriptor, tma_enabled, tma_layout
+from ._tma import tma_enabled, tma_layout
 from .gram import MAX_GRID_Y, _scratch, _scratch_scale
-from .normalize import NormScale, inverse_norm, norm_scale_arg, normalize_scale
+from .normalize import NormScale, norm_scale_arg, normalize_scale
+from .poly_apply_tma import _epilogue, _launch_tma
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
 # Measured on the H200 (bench/orthogonalize.py and a sweep, 2026-11-29): 128 x 256 tiles with
@@ -40,7 +43,7 @@ from .normalize import NormScale, inverse_norm, norm_scale_arg, normalize_scale
 # 2048x4096, so it is not done. A loop over several tiles per program (flattened, so the next
 # tile's loads overlap this one's epilogue) ran up to 1.5x slower with these pointer loads;
 # with host TMA descriptors instead it took 0.575 ms (0.560 on the .mT view, against 0.617):
-# hence the second kernel below (``tma`` configs), for the layouts TMA reads.
+# hence the second kernel (``poly_apply_tma.py``, ``tma`` configs), for the layouts TMA reads.
 POLY_APPLY_CONFIGS = (
     Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=3),
     Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=4),
@@ -133,107 +136,6 @@ def _poly_apply_kernel(
     )  # fmt: skip
 
 
-@triton.jit
-def _epilogue(
-    b_acc,  # [BLOCK_M, BLOCK_N] fp32: P x, rows r_m and columns r_n of matrix i_b (int64)
-    i_b,
-    r_m,
-    r_n,
-    p_x,  # x's and out's elements at (r_m, r_n)
-    p_o,
-    M,
-    N,
-    alpha,
-    sumsq,
-    norm_scale,
-    eps_ptr,
-    ADD_X: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    EVEN: tl.constexpr,
-):
-    """alpha x + acc (s (alpha x + acc) with HAS_SCALE), fp32, one rounding, stored."""
-    if HAS_SCALE:  # the normalization folded in: alpha (s x) + P (s x) = s (alpha x + P x)
-        s = inverse_norm(sumsq, i_b, norm_scale, eps_ptr, True)
-    if EVEN:
-        if ADD_X:
-            b_acc += alpha * tl.load(p_x).to(tl.float32)
-        if HAS_SCALE:
-            b_acc *= s
-        tl.store(p_o, b_acc.to(p_o.dtype.element_ty))
-    else:
-        mask = (r_m[:, None] < M) & (r_n[None, :] < N)
-        if ADD_X:
-            b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            b_acc *= s
-        tl.store(p_o, b_acc.to(p_o.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _poly_apply_tma_kernel(
-    p_desc,  # poly [B, M, M] box [1, BLOCK_M, BLOCK_K] (rows contiguous: B = B^T if need be)
-    x_desc,  # x [B, M, N] box [1, BLOCK_K, BLOCK_N]; X_T: x.mT [B, N, M] box [1, BLOCK_N, BLOCK_K]
-    x,  # [B, M, N], read again for alpha X (ADD_X)
-    out,  # [B, M, N]
-    items,  # batch x tiles
-    M,
-    N,
-    stride_xb,
-    stride_xm,
-    stride_xn,
-    stride_ob,
-    stride_om,
-    stride_on,
-    alpha,
-    sumsq,  # [B] fp32, read only when HAS_SCALE
-    norm_scale,
-    eps_ptr,  # fp32 [1], read only when HAS_SCALE
-    ADD_X: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    EVEN: tl.constexpr,  # M and N multiples of the tile: no masks on the epilogue
-    X_T: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):
-    """The pointer kernel's sums and epilogue, persistent, its operands read by TMA: a loop
-    over (matrix, tile) items, tiles along a row first as there. TMA fills rows and columns
-    past the end with zeros (no masks on loads)."""
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
-    for item in tl.range(
-        tl.program_id(0),
-        items,
-        tl.num_programs(0),
-        flatten=FLATTEN,
-        warp_specialize=WARP_SPECIALIZE,
-    ):
-        i_b = item // tiles
-        i_t = item % tiles
-        off_m = (i_t // tiles_n) * BLOCK_M
-        off_n = (i_t % tiles_n) * BLOCK_N
-        b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, tl.cdiv(M, BLOCK_K)):
-            b_p = p_desc.load([i_b, off_m, k * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
-            if X_T:
-                b_x = x_desc.load([i_b, off_n, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-            else:
-                b_x = x_desc.load([i_b, k * BLOCK_K, off_n]).reshape(BLOCK_K, BLOCK_N)
-            b_acc = tl.dot(b_p, b_x, b_acc)
-
-        r_m = off_m + tl.arange(0, BLOCK_M)
-        r_n = off_n + tl.arange(0, BLOCK_N)
-        i_b64 = i_b.to(tl.int64)
-        p_x = x + i_b64 * stride_xb + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
-        p_o = out + i_b64 * stride_ob + r_m[:, None] * stride_om + r_n[None, :] * stride_on
-        _epilogue(
-            b_acc, i_b64, r_m, r_n, p_x, p_o, M, N, alpha, sumsq, norm_scale, eps_ptr, ADD_X,
-            HAS_SCALE, EVEN,
-        )  # fmt: skip
-
-
 def _launch(
     poly: Tensor,
     x: Tensor,
@@ -281,47 +183,6 @@ def _launch(
             num_stages=config.num_stages,
             enable_fp_fusion=FP_FUSION,
         )
-
-
-def _launch_tma(
-    poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config, scale: NormScale | None
-) -> None:
-    """``_launch`` on the persistent TMA kernel (poly and x: ``tma_layout`` not None)."""
-    batch, m, n = x.shape
-    items = batch * triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
-    even = m % config.block_m == 0 and n % config.block == 0
-    # B = B^T: a column-major poly is described as its transpose, rows contiguous.
-    p_desc = tensor_descriptor(poly, tma_layout(poly), (config.block_m, config.chunk))
-    x_t = tma_layout(x)
-    box = (config.block, config.chunk) if x_t else (config.chunk, config.block)
-    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
-    _poly_apply_tma_kernel[(persistent_grid(items, config, x.device),)](
-        p_desc,
-        tensor_descriptor(x, x_t, box),
-        x,
-        out,
-        items,
-        m,
-        n,
-        *x.stride(),
-        *out.stride(),
-        alpha,
-        sumsq,
-        norm_scale,
-        eps,
-        ADD_X=alpha != 0.0,
-        HAS_SCALE=scale is not None,
-        EVEN=even,
-        X_T=x_t,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block,
-        BLOCK_K=config.chunk,
-        FLATTEN=config.flatten,
-        WARP_SPECIALIZE=config.warp_specialize,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        enable_fp_fusion=FP_FUSION,
-    )
 
 
 def _span(t: Tensor) -> tuple[int, int]:
