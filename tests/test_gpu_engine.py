@@ -1,5 +1,7 @@
 """The streaming engine on a GPU: races, leaks, and the memory the step adds."""
 
+import re
+
 import pytest
 import torch
 
@@ -169,3 +171,84 @@ def test_dtensor_state_stays_in_host_slabs():
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _side_model(seed):
+    """Muon matrices (compute-bound chunks) among many AdamW and Lion chunks, which the
+    scheduler updates on its side stream beside them; a square AdamW matrix whose gradient is
+    a transposed view, so its side-stream update allocates a contiguous copy."""
+    gen = torch.Generator().manual_seed(seed)
+    muon = [(512, 512)] * 12 + [(1024, 256)] * 8
+    adamw = [(1 << 20,)] * 6 + [(768, 768), (3001,)]
+    lion = [(1 << 20,)] * 2 + [(999,)]
+    shapes = muon + adamw + lion
+    return [torch.randn(s, generator=gen) for s in shapes], (len(muon), len(muon) + len(adamw))
+
+
+def _run_side(init, split, side_lane, transposed, graph=False, steps=50, **kwargs):
+    from muon_offload.engine.scheduler import StreamScheduler
+
+    params = [torch.nn.Parameter(t.cuda()) for t in init]
+    m, a = split
+    groups = [
+        dict(params=params[:m]),
+        dict(params=params[m:a], algorithm="adamw", lr=3e-3, weight_decay=0.1),
+        dict(params=params[a:], algorithm="lion", lr=1e-4),
+    ]
+    opt = Muon(groups, lr=0.02, cuda_graph=graph, **kwargs)
+    opt._scheduler = StreamScheduler(params[0].device, side_lane=side_lane)  # kept by step()
+    for p in params:
+        p.grad = torch.empty_like(p)
+    if transposed:
+        square = params[a - 2]
+        square.grad = torch.empty_like(square).t()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    sums = []
+    for _ in range(steps):
+        # The compute stream is busy before it writes the gradients in place: a side stream
+        # that did not wait for it would read the last step's gradients.
+        torch.cuda._sleep(2_000_000)
+        for p in params:
+            p.grad.normal_(generator=gen)
+        opt.step()
+        # Read right after the step on the compute stream: a side update it did not wait
+        # for would be missing from the sums.
+        sums.append(torch.stack([p.sum(dtype=torch.float64) for p in params]))
+    torch.cuda.synchronize()
+    assert opt._scheduler.side_lane == side_lane
+    return params, opt, torch.stack(sums)
+
+
+@pytest.mark.parametrize(
+    ("state_dtype", "graph"), [(None, False), (torch.int8, False), (None, True)]
+)
+def test_side_stream_offloaded_equals_resident_bitwise_over_50_steps(state_dtype, graph):
+    """Offloaded Muon + AdamW + Lion with the element-wise-only chunks updated and stored on
+    the scheduler's side lane (2 MiB chunks: the arena wraps many times a step, element-wise
+    chunks between Muon ones): 50 steps, weights, state and the weights read right after each
+    step bitwise equal to the resident step with every update on the compute stream; the
+    resident step with the side lane too. ``graph``: the offloaded step captured and
+    replayed, the side streams forked from and joined into the capture."""
+    init, split = _side_model(5)
+    # The same units everywhere (resident chunks default to a larger budget): the same
+    # batches of matrices, so the same products kernels.
+    same = dict(chunk_bytes=2 << 20, resident_chunk_bytes=2 << 20, state_dtype=state_dtype)
+    same["transposed"] = not graph  # a graph needs contiguous gradients
+    ref, r_opt, r_sums = _run_side(init, split, side_lane=False, **same)
+    runs = [
+        _run_side(init, split, side_lane=True, **same),
+        _run_side(init, split, side_lane=True, graph=graph, offload=True, **same),
+    ]
+    sched = runs[1][1]._scheduler
+    plan = next(iter(runs[1][1]._plans.values()))[0]
+    kinds = "".join("e" if side else "M" for side in sched._on_side)
+    assert kinds.count("M") >= 8 and re.search("Me+M", kinds), kinds  # side chunks between
+    assert len(plan.chunks) == len(kinds) and all(not c.resident for c in plan.chunks)
+    if graph:
+        assert runs[1][1].graph_stats()["replays"] >= 45, runs[1][1].graph_stats()
+    for params, opt, sums in runs:
+        assert torch.equal(sums, r_sums)
+        for a, b in zip(params, ref, strict=True):
+            assert torch.equal(a, b)
+            for key in opt.state[a]:
+                assert torch.equal(opt.state[a][key].cuda(), r_opt.state[b][key])
