@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         "--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compile processes"
     )
     args = parser.parse_args(argv)
-    os.environ.setdefault("MUON_OFFLOAD_TMA", "1")  # opt-in in the package; compared here
+    os.environ.setdefault("MUON_OFFLOAD_TMA", "1")  # on for Hopper by default; forced here
 
     import torch
     import triton

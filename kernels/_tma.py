@@ -27,15 +27,23 @@ def persistent_grid(items: int, config: Config, device: torch.device) -> int:
     return max(1, min(items, sms * config.programs_per_sm))
 
 
-def tma_enabled() -> bool:
-    """``MUON_OFFLOAD_TMA=1`` adds the TMA configs to the candidates; off by default. Why: on
-    the H200 (triton 3.6) the TMA products are ~10% faster on the GPU, but each of their
-    launches costs the host ~0.1 ms more (descriptors built at launch): the eager resident
-    qwen3 step's host time went 0.053 -> 0.111 s, and the eager offloaded one, which issues
-    ~16 times the launches and waits on the host, went 0.351 -> 0.368 s (docs/benchmarks.md,
-    session 7). On until that cost is gone, it would slow the default (eager, offloaded) step;
-    with ``cuda_graph=True`` or a GPU-bound resident step, opt in."""
-    return os.environ.get("MUON_OFFLOAD_TMA", "0") == "1"
+def tma_enabled(device: torch.device) -> bool:
+    """Whether the TMA configs join the candidates on ``device``: ``MUON_OFFLOAD_TMA=1`` yes,
+    ``0`` no; unset, yes on a GPU that has TMA (compute capability 9.0 and up: Hopper,
+    Blackwell), never on the CPU. On the H200 (triton 3.6, docs/benchmarks.md, session 8)
+    they made the eager resident qwen3 step 6% faster (0.1435 -> 0.1343 s) and left the
+    offloaded one as it was (0.3281 -> 0.3251 s): their launches cost the host more (the
+    offloaded step's host time 0.172 -> 0.212 s), which the step hid. Read per call, not at
+    import (nothing here touches a device before a launch asks)."""
+    switch = os.environ.get("MUON_OFFLOAD_TMA")
+    if switch is not None:
+        return switch == "1"
+    return device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def tma_layout(t: Tensor) -> bool | None:

@@ -12,7 +12,7 @@ their products are symmetric too (W = the second factor, symmetric, so W^T = W),
 Two kernels: one that reads through pointers (any layout, one output tile a program) and,
 for the 16-bit layouts TMA reads (``_tma.tma_layout``), a persistent one whose operands come
 by TMA (``gram_tma.py``, with the tile mapping and epilogue both share). Their configs are
-candidates of one tuning key, which holds that eligibility (and ``MUON_OFFLOAD_TMA``, opt-in):
+candidates of one tuning key, which holds that eligibility (``_tma.tma_enabled``: GPUs with TMA):
 which kernel runs follows from shape, dtype and layout, never the batch. Both sum in the same
 order (K steps of ``chunk``, fp32).
 
@@ -233,7 +233,11 @@ def sym_gram(
         out.diagonal(dim1=-2, dim2=-1).add_(diag)
         return out
     symmetrize = symmetrize or w is not None
-    tma = tma_enabled() and tma_layout(x) is not None and (w is None or tma_layout(w) is not None)
+    tma = (
+        tma_enabled(x.device)
+        and tma_layout(x) is not None
+        and (w is None or tma_layout(w) is not None)
+    )
     # The config sets the order of the fp32 sums, so it depends on the shape and layout
     # only, never on the batch: a matrix gets the same bits in any batch.
     key = (

@@ -228,7 +228,7 @@ def poly_apply(
         t_lo, t_hi = _span(t)
         if lo < t_hi and t_lo < hi:
             raise ValueError(f"out must not overlap {name}")
-    tma = tma_enabled() and tma_layout(x) is not None and tma_layout(poly) is not None
+    tma = tma_enabled(x.device) and tma_layout(x) is not None and tma_layout(poly) is not None
     key = (
         dtype_name(x.dtype),
         dtype_name(out.dtype),

@@ -360,8 +360,8 @@ def _offered(monkeypatch, fn, *args, **kwargs):
 )
 def test_tma_configs_offered_by_layout_never_by_batch(monkeypatch, make, tma):
     """TMA configs reach the tuner only for layouts TMA reads, the flag in the key; a matrix
-    alone is offered the same configs under the same key as its batch. They are opt-in
-    (``MUON_OFFLOAD_TMA=1``): unset or 0, the pointer kernels only."""
+    alone is offered the same configs under the same key as its batch. ``MUON_OFFLOAD_TMA=0``
+    and, unset, a CPU tensor: the pointer kernels only."""
     monkeypatch.setenv("MUON_OFFLOAD_TMA", "1")
     x = make()
     assert (_tma.tma_layout(x) is not None) == tma
@@ -375,13 +375,30 @@ def test_tma_configs_offered_by_layout_never_by_batch(monkeypatch, make, tma):
         assert key[-1] is tma and any(c.tma for c in configs) is tma
     gram_keys = {_offered(monkeypatch, sym_gram, t)[0] for t in (x, x[2:3], x[1:4])}
     assert len(gram_keys) == 1
-    for value in (None, "0"):  # the default, and the switch off: pointer kernels only
+    for value in (None, "0"):  # the default on the CPU, and the switch off: pointers only
         if value is None:
             monkeypatch.delenv("MUON_OFFLOAD_TMA")
         else:
             monkeypatch.setenv("MUON_OFFLOAD_TMA", value)
         key, configs = _offered(monkeypatch, sym_gram, x)
         assert key[-1] is False and not any(c.tma for c in configs)
+
+
+def test_tma_default_follows_the_gpu(monkeypatch):
+    """Unset, the TMA configs are offered on GPUs with TMA (compute capability 9.0 and up)
+    only, never on the CPU; the switch overrides both ways. (No GPU is touched: the
+    capability is the function's only read of the device.)"""
+    monkeypatch.delenv("MUON_OFFLOAD_TMA", raising=False)
+    gpu = torch.device("cuda", 0)
+    for capability, expected in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
+        monkeypatch.setattr(_tma, "_capability", lambda index, c=capability: c)
+        assert _tma.tma_enabled(gpu) is expected
+        monkeypatch.setenv("MUON_OFFLOAD_TMA", "0")
+        assert _tma.tma_enabled(gpu) is False
+        monkeypatch.setenv("MUON_OFFLOAD_TMA", "1")
+        assert _tma.tma_enabled(gpu) is True
+        monkeypatch.delenv("MUON_OFFLOAD_TMA")
+    assert _tma.tma_enabled(torch.device("cpu")) is False
 
 
 def test_scale_in_the_tuning_key_never_the_batch(monkeypatch):
