@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from _mixed_runs import assert_bitwise, mixed_run
 
 from muon_offload import AdamW, Muon
 
@@ -35,15 +36,6 @@ def _run(init, steps=3, nesterov=False, **kwargs):
     return params, opt
 
 
-def _assert_bitwise(a, b):
-    (pa, oa), (pb, ob) = a, b
-    for x, y in zip(pa, pb, strict=True):
-        assert torch.equal(x, y)
-        for key in oa.state[x]:
-            assert torch.equal(oa.state[x][key], ob.state[y][key])
-    assert [g["step"] for g in oa.param_groups] == [g["step"] for g in ob.param_groups]
-
-
 STATE_BYTES = 4 * (4 * 24 * 40 + 3 * 8 * 12 + 16 * 16) + 8 * (77 + 300) + 4 * 5
 CHUNKS = [1, 1000, 3840, 8000, STATE_BYTES, 1 << 30]
 
@@ -56,7 +48,7 @@ def test_offloaded_equals_resident_bitwise(dtype, nesterov, chunk_bytes):
     init = _init(dtype)
     resident = _run(init, nesterov=nesterov)
     offloaded = _run(init, nesterov=nesterov, offload=True, chunk_bytes=chunk_bytes)
-    _assert_bitwise(offloaded, resident)
+    assert_bitwise(offloaded, resident)
     # State really is in the host slabs, not beside them.
     slab_ptrs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in offloaded[1]._host.slabs]
     for p in offloaded[0]:
@@ -71,7 +63,7 @@ def test_partial_offload_equals_resident_bitwise(resident_bytes):
     if resident_bytes is None:  # None with offload: nothing resident
         kwargs.pop("resident_bytes")
     partial = _run(init, **kwargs)
-    _assert_bitwise(partial, _run(init))
+    assert_bitwise(partial, _run(init))
     streamed = partial[1]._streamed
     if resident_bytes == STATE_BYTES:
         assert not streamed
@@ -87,7 +79,7 @@ def test_chunked_equals_unchunked_resident_bitwise(resident_chunk_bytes):
     chunked = _run(init, resident_chunk_bytes=resident_chunk_bytes)
     plan = next(iter(chunked[1]._plans.values()))[0]
     assert len(plan.chunks) > 1 or resident_chunk_bytes == 1 << 30
-    _assert_bitwise(chunked, _run(init, resident_chunk_bytes=1 << 30))
+    assert_bitwise(chunked, _run(init, resident_chunk_bytes=1 << 30))
 
 
 def test_resident_chunks_take_their_own_budget():
@@ -105,14 +97,14 @@ def test_resident_chunks_take_their_own_budget():
     plan = next(iter(partial[1]._plans.values()))[0]
     assert [c.resident for c in plan.chunks].count(True) == 1
     assert all(c.plan_bytes <= 1000 for c in plan.chunks if not c.resident and len(c.units) > 1)
-    _assert_bitwise(partial, resident)
+    assert_bitwise(partial, resident)
 
 
 def test_bf16_state_dtype_offloaded_equals_resident():
     init = _init(torch.float32, seed=3)
     a = _run(init, state_dtype=torch.bfloat16)
     b = _run(init, state_dtype=torch.bfloat16, offload=True, chunk_bytes=2000)
-    _assert_bitwise(a, b)
+    assert_bitwise(a, b)
     assert a[1].state[a[0][0]]["momentum"].dtype == torch.bfloat16
 
 
@@ -130,7 +122,7 @@ def test_adamw_offloaded_equals_resident():
             opt.step()
         return params, opt
 
-    _assert_bitwise(run(offload=True, chunk_bytes=512), run())
+    assert_bitwise(run(offload=True, chunk_bytes=512), run())
 
 
 def test_offload_needs_cuda_params_when_cuda_exists(monkeypatch):
@@ -156,7 +148,7 @@ def test_gradients_that_come_and_go_keep_state_right():
             opt.step()
         return params, opt
 
-    _assert_bitwise(run(offload=True, chunk_bytes=3000), run())
+    assert_bitwise(run(offload=True, chunk_bytes=3000), run())
 
 
 KERNEL_SHAPES = [(24, 40), (40, 24), (24, 40), (77,), (5,)]
@@ -217,7 +209,7 @@ def test_kernels_match_the_reference_on_gpu():
 
 
 def test_kernels_offloaded_equal_kernels_resident_bitwise():
-    _assert_bitwise(_run_backend("triton", offload=True, chunk_bytes=4000), _run_backend("triton"))
+    assert_bitwise(_run_backend("triton", offload=True, chunk_bytes=4000), _run_backend("triton"))
 
 
 def test_failed_pinned_allocation_names_the_bytes(monkeypatch):
@@ -280,19 +272,7 @@ def test_interleaved_muon_and_elementwise_chunks_equal_resident_bitwise(resident
     init = [torch.randn(s, generator=gen) for s in MIXED_SHAPES]
 
     def run(**kwargs):
-        params = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [
-            dict(params=params[:7]),
-            dict(params=params[7:11], algorithm="adamw"),
-            dict(params=params[11:], algorithm="lion"),
-        ]
-        opt = Muon(groups, lr=0.02, weight_decay=0.05, **kwargs)
-        for s in range(4):
-            g = torch.Generator().manual_seed(500 + s)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-        return params, opt
+        return mixed_run(init, 7, 4, seed=500, **kwargs)
 
     kwargs = dict(offload=True, chunk_bytes=6000)
     if resident_bytes is not None:
@@ -313,4 +293,4 @@ def test_interleaved_muon_and_elementwise_chunks_equal_resident_bitwise(resident
             if unit.algorithm == "adamw":
                 starts += [s.start for s in unit.segments if s.param == 7]
     assert len(starts) > 1 and starts != sorted(starts), starts
-    _assert_bitwise(offloaded, run())
+    assert_bitwise(offloaded, run())

@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
+from _mixed_runs import assert_bitwise, mixed_run
 
-from muon_offload import Muon
 from muon_offload.engine.host_slabs import ALIGN_BYTES, align_up
 from muon_offload.engine.scheduler import (
     ARENA_ALIGN,
@@ -401,19 +401,7 @@ def test_mixed_chunk_sizes_in_flight_equal_resident_bitwise():
     init = [torch.randn(s, generator=gen) for s in MIXED]
 
     def run(**kwargs):
-        params = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [
-            dict(params=params[:7]),
-            dict(params=params[7:10], algorithm="adamw"),
-            dict(params=params[10:], algorithm="lion"),
-        ]
-        opt = Muon(groups, lr=0.02, weight_decay=0.05, **kwargs)
-        for s in range(4):
-            g = torch.Generator().manual_seed(900 + s)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-        return params, opt
+        return mixed_run(init, 7, 3, seed=900, **kwargs)
 
     off_params, off = run(offload=True, chunk_bytes=4000)
     res_params, res = run()
@@ -422,10 +410,7 @@ def test_mixed_chunk_sizes_in_flight_equal_resident_bitwise():
     assert len(set(sizes)) > 2, sizes
     # More chunks lie in the arena at once than a ring of three slots held.
     assert any(after < k - 3 for k, after in enumerate(layout.issue_after)), layout
-    for a, b in zip(off_params, res_params, strict=True):
-        assert torch.equal(a, b)
-        for key in off.state[a]:
-            assert torch.equal(off.state[a][key], res.state[b][key])
+    assert_bitwise((off_params, off), (res_params, res))
 
 
 SIDE_SHAPES = [(40, 24)] * 2 + [(24, 40)] * 5 + [(1031,), (257, 13), (300,), (129,), (4099,)]
@@ -457,20 +442,7 @@ def test_optimizer_runs_elementwise_only_chunks_on_the_side_stream(
     init = [torch.randn(s, generator=gen) for s in SIDE_SHAPES]
 
     def run(scheduler=None, **kwargs):
-        params = [torch.nn.Parameter(t.clone()) for t in init]
-        groups = [
-            dict(params=params[:7]),
-            dict(params=params[7:10], algorithm="adamw"),
-            dict(params=params[10:], algorithm="lion"),
-        ]
-        opt = Muon(groups, lr=0.02, weight_decay=0.05, **kwargs)
-        opt._scheduler = scheduler
-        for s in range(4):
-            g = torch.Generator().manual_seed(700 + s)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-        return params, opt
+        return mixed_run(init, 7, 3, seed=700, scheduler=scheduler, **kwargs)
 
     res_params, res = run()
     ran.clear()
@@ -495,7 +467,4 @@ def test_optimizer_runs_elementwise_only_chunks_on_the_side_stream(
         for c, e in zip(plan.chunks, elementwise_only(plan), strict=True)
     ]
     assert ran == want * 4
-    for a, b in zip(off_params, res_params, strict=True):
-        assert torch.equal(a, b)
-        for key in off.state[a]:
-            assert torch.equal(off.state[a][key], res.state[b][key])
+    assert_bitwise((off_params, off), (res_params, res))
