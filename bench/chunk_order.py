@@ -70,11 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     both_each = bandwidths()["both_each"] * 1e9
     result = {
         "info": {
-            "card": machine.card(dev),
-            "driver": machine.driver_version(),
-            **machine.versions(),
-            "date": machine.now(),
-            "args": vars(args),
+            **machine.record(dev, args),
             "both_directions_each_gbps": both_each / 1e9,
         }
     }

@@ -131,13 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("products_cublas", "products_symmetric", "products_at_peak"):
         totals["floor_" + k.removeprefix("products_")] = totals[k] + totals["elementwise"]
     result = {
-        "info": {
-            "card": machine.card(dev),
-            "driver": machine.driver_version(),
-            **machine.versions(),
-            "date": machine.now(),
-            "args": vars(args),
-        },
+        "info": machine.record(dev, args),
         "peak_bf16_tflops": peak / 1e12,
         "copy_tb_s": copy_bw / 1e12,
         "classes": rows,

@@ -68,15 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, tma in rotated(runs, r):
             times[(mode, tma)].append(timed(opts[mode], tma))
     os.environ.pop(SWITCH)
-    result = {
-        "info": {
-            "card": machine.card(dev),
-            "driver": machine.driver_version(),
-            **machine.versions(),
-            "date": machine.now(),
-            "args": vars(args),
-        }
-    }
+    result = {"info": machine.record(dev, args)}
     print(f"{args.workload}, {args.rounds} rounds: median step s, host s; TMA on / off")
     for mode in opts:
         row = {}

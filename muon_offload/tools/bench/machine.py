@@ -47,3 +47,12 @@ def versions() -> dict:
         "triton": triton_version(),
         "python": platform.python_version(),
     }
+
+
+def record(device: torch.device, args=None) -> dict:
+    """What a figure ran on, as a bench's JSON ``info`` holds it: card, driver, versions, the
+    time, and the command's arguments when given."""
+    info = {"card": card(device), "driver": driver_version(), **versions(), "date": now()}
+    if args is not None:
+        info["args"] = vars(args)
+    return info
