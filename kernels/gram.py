@@ -26,18 +26,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import (
-    FP_FUSION,
-    TUNER,
-    Config,
-    bench_ms,
-    bucket,
-    dtype_name,
-    tuning_batch,
-)
+from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
 from ._tma import tma_enabled, tma_layout
 from .gram_tma import _epilogue, _launch_tma, _lower_tile
-from .normalize import NormScale, norm_scale_arg, normalize_scale
+from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
 # Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles
@@ -155,7 +147,7 @@ def _launch(
     batch, m, k = x.shape
     tiles = triton.cdiv(m, config.block)
     y_arg = y if y is not None else out
-    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
+    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
     for start in range(0, batch, MAX_GRID_Y):
         _sym_gram_kernel[(tiles * (tiles + 1) // 2, min(batch - start, MAX_GRID_Y))](

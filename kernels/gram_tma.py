@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ._launch import FP_FUSION, Config
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
-from .normalize import NormScale, inverse_norm
+from .normalize import NormScale, inverse_norm, scale_kernel_args
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def _launch_tma(
     x_desc = tensor_descriptor(x, x_t, box[::-1] if x_t else box)
     w_desc = x_desc if w is x else tensor_descriptor(w, w_t, box[::-1] if w_t else box)
     y_arg = y if y is not None else out
-    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
+    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
     _sym_gram_tma_kernel[(persistent_grid(items, config, x.device),)](
         x_desc,
         w_desc,

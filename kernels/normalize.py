@@ -179,6 +179,12 @@ class NormScale(NamedTuple):
     eps: Tensor
 
 
+def scale_kernel_args(scale: NormScale | None, unread: Tensor) -> tuple[Tensor, float, Tensor]:
+    """A product kernel's (sumsq, norm_scale, eps_ptr) arguments: ``scale``'s, or, without one
+    (HAS_SCALE off, never read), ``unread`` in the two pointer places."""
+    return tuple(scale) if scale is not None else (unread, 1.0, unread)
+
+
 def norm_scale_arg(
     sumsq: Tensor | None,
     norm_scale: float | None,

@@ -22,18 +22,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import (
-    FP_FUSION,
-    TUNER,
-    Config,
-    bench_ms,
-    bucket,
-    dtype_name,
-    tuning_batch,
-)
+from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
 from ._tma import tma_enabled, tma_layout
 from .gram import MAX_GRID_Y, _scratch, _scratch_scale
-from .normalize import NormScale, norm_scale_arg, normalize_scale
+from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
 from .poly_apply_tma import _epilogue, _launch_tma
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
@@ -154,7 +146,7 @@ def _launch(
     if stride_pk != 1 and stride_pm == 1:  # B = B^T: read it so that K stays contiguous
         stride_pm, stride_pk = stride_pk, stride_pm
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
-    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
+    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
     for start in range(0, batch, MAX_GRID_Y):
         _poly_apply_kernel[(tiles, min(batch - start, MAX_GRID_Y))](
             poly,

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ._launch import FP_FUSION, Config
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
-from .normalize import NormScale, inverse_norm
+from .normalize import NormScale, inverse_norm, scale_kernel_args
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def _launch_tma(
     p_desc = tensor_descriptor(poly, tma_layout(poly), (config.block_m, config.chunk))
     x_t = tma_layout(x)
     box = (config.block, config.chunk) if x_t else (config.chunk, config.block)
-    sumsq, norm_scale, eps = scale if scale is not None else (out, 1.0, out)  # unread
+    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
     _poly_apply_tma_kernel[(persistent_grid(items, config, x.device),)](
         p_desc,
         tensor_descriptor(x, x_t, box),
