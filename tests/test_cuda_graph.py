@@ -257,7 +257,7 @@ def test_key_names_what_changed(monkeypatch):
     _grads(params, 0)
     opt.step()
     hypers, work, _ = opt._check_step()
-    _, _, layouts = opt._plan(work, hypers)
+    _, _, layouts, _ = opt._plan(work, hypers)
 
     def key():
         # A step's key reads what that step's checks read (StepWork): check afresh.

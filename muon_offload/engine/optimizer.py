@@ -187,10 +187,6 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
     # --------------------------------------------------------------- planning
 
     def _plan(self, work: StepWork, hypers: Sequence[Hyper]):
-        """The plan, the chunks' transfers and layouts for this step's work (``_planned``)."""
-        return self._planned(work, hypers)[:3]
-
-    def _planned(self, work: StepWork, hypers: Sequence[Hyper]):
         """The plan, the chunks' transfers and layouts, and which chunks the scheduler may run
         on its side lane (the element-wise-only ones) for this step's work: cached while the
         work (its parameters, their groups, shapes and dtypes), the groups' algorithms and
@@ -279,7 +275,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
         self._ensure_state(hypers)
-        plan, transfers, layouts, side = self._planned(work, hypers)
+        plan, transfers, layouts, side = self._plan(work, hypers)
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
         self._scheduler.timeline = self._timeline_marks
