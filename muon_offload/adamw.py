@@ -22,8 +22,8 @@ class AdamW(ChunkedOptimizer):
     (the update is always one fused kernel per chunk). The bias-correction step is the
     group's ``step``, which advances once per ``step()`` call. ``offload``, ``chunk_bytes``,
     ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype``, ``backend`` and
-    ``cuda_graph`` (capture the step as a CUDA graph and replay it; the bias correction and
-    learning rate still change every step) are as for ``Muon``.
+    ``cuda_graph`` (``"auto"``: capture the step as a CUDA graph where it can run and replay
+    it; the bias correction and learning rate still change every step) are as for ``Muon``.
 
     Checkpoints go both ways with ``torch.optim.AdamW``: ``state_dict()`` also carries torch's
     per-parameter ``step`` (a float32 tensor), and a torch state dict (no group ``step``) sets
@@ -55,7 +55,7 @@ class AdamW(ChunkedOptimizer):
         resident_chunk_bytes: int | None = None,
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
-        cuda_graph: bool = False,
+        cuda_graph: bool | str = "auto",
     ):
         defaults = dict(
             lr=lr,

@@ -151,10 +151,13 @@ class Muon(ChunkedOptimizer):
             It sets how many same-shape matrices are orthogonalized in one batch.
         state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
         backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
-        cuda_graph: capture the step as a CUDA graph once it is stable and replay it while
-            the gradients, parameters and state stay where they are (hyper-parameter changes
-            reach the replay); see docs/usage.md ("CUDA graphs"). Needs parameters on CUDA
-            and the Triton kernels; no ``distributed_mesh``, DTensor or ``closure`` yet.
+        cuda_graph: ``"auto"`` (default): capture the step as a CUDA graph once it is stable
+            and replay it while the gradients, parameters and state stay where they are
+            (hyper-parameter changes reach the replay), wherever a graph can run (parameters
+            on CUDA, the Triton kernels, no ``distributed_mesh``, DTensor or ``closure``);
+            other steps run eagerly. ``True``: the same, but refuses what it cannot capture;
+            ``False``: never. The graph's memory pool (about one step's temporaries) is kept
+            from the caching allocator; see docs/usage.md ("CUDA graphs").
     """
 
     def __init__(
@@ -182,7 +185,7 @@ class Muon(ChunkedOptimizer):
         resident_chunk_bytes: int | None = None,
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
-        cuda_graph: bool = False,
+        cuda_graph: bool | str = "auto",
     ):
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
