@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .gram import sym_gram
-from .poly_apply import poly_apply
+from .poly_apply import ParamApply, poly_apply
 
 # Polar Express (Amsel et al., arXiv:2505.16932), the package's coefficients: the paper's,
 # divided by a safety factor of 1.05 (a / 1.05, b / 1.05^3, c / 1.05^5), for inputs divided
@@ -90,11 +90,15 @@ def gram_newton_schulz(
     tri_poly: bool,
     tri_apply: bool,
     out_dtype: torch.dtype,
-) -> Tensor:
+    apply_to: ParamApply | None = None,
+) -> Tensor | None:
     """The iteration above on a normalized wide batch x [B, m, n] (m <= n, any strides, in
     the working dtype). ``tri_gram``: R = X X^T on ``sym_gram``; ``tri_poly``: the m x m
     products on ``sym_gram``; ``tri_apply``: Q X on ``poly_apply``; each otherwise on torch
-    (cuBLAS on CUDA). Returns [B, m, n] in ``out_dtype``."""
+    (cuBLAS on CUDA). Returns [B, m, n] in ``out_dtype``; with ``apply_to`` (``tri_apply``),
+    the last Q X goes to the parameters instead (``poly_apply``'s), and None."""
+    if apply_to is not None and not tri_apply:
+        raise ValueError("apply_to is poly_apply's: Q X on Triton (tri_apply)")
     m = x.size(-2)
     bufs = _Buffers(x, m)
 
@@ -111,10 +115,9 @@ def gram_newton_schulz(
     def mul(s: Tensor, t: Tensor) -> Tensor:  # s t for commuting symmetric s, t
         return sym_gram(s, w=t, out=bufs.take()) if tri_poly else torch.bmm(s, t)
 
-    def apply(q: Tensor, t: Tensor, dtype: torch.dtype) -> Tensor:
+    def apply(q: Tensor, t: Tensor, dtype: torch.dtype, to: ParamApply | None = None):
         if tri_apply:
-            out = torch.empty(t.shape, dtype=dtype, device=t.device)
-            return poly_apply(q, t, alpha=0.0, out=out)
+            return poly_apply(q, t, alpha=0.0, out_dtype=dtype, apply_to=to)
         return torch.bmm(q, t).to(dtype)
 
     r = gram(x)
@@ -139,4 +142,4 @@ def gram_newton_schulz(
             bufs.give(rp)
         if p is not q:
             bufs.give(p)
-    return apply(q, x, out_dtype)
+    return apply(q, x, out_dtype, apply_to)

@@ -6,7 +6,8 @@ apply: X = X (1 - lr wd) - adjusted_lr U.
 
 ``muon_prep`` and ``muon_apply_`` are the Triton launchers (one launch for the whole batch;
 the matrices are separate tensors read through a pointer table); the ``*_reference`` functions
-are the plain-torch versions they are tested against.
+are the plain-torch versions they are tested against. ``param_apply`` hands the apply to the
+orthogonalization's last product instead (``poly_apply.py``'s epilogue: U is never stored).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
+from .poly_apply_tma import ParamApply
 from .sumsq import LOG2_SUMSQ_BLOCK, SUMSQ_BLOCK, SUMSQ_CHUNK, groups_for, sum_partials, tree_sum
 
 # prep: one group of the sum of squares (``sumsq.py``) per program, ``SUMSQ_BLOCK`` lanes:
@@ -300,23 +302,10 @@ def muon_apply_(
 def muon_apply_from_(params: Sequence[Tensor], update: Tensor, scalars: Tensor) -> None:
     """``muon_apply_`` with its runtime scalars (``apply_scalars``' two, fp32) read on the
     device from ``scalars`` (the engine's step table: what a CUDA graph replays)."""
-    check_lists(("params",), (params,))
-    batch = len(params)
-    if update.ndim != 3 or update.shape[0] != batch:
-        raise ValueError(f"update must be [{batch}, m, n], got {tuple(update.shape)}")
-    rows, cols = update.shape[1], update.shape[2]
-    device = params[0].device
-    for i, x in enumerate(params):
-        if x.numel() != rows * cols or x.dtype != params[0].dtype:
-            raise ValueError(
-                f"params[{i}]: {x.numel()} elements of {x.dtype}, expected "
-                f"{rows * cols} of {params[0].dtype}"
-            )
-    if update.device != device:
-        raise ValueError(f"update is on {update.device}, params on {device}")
-    check_scalars(scalars, 2, device)
+    rows, cols = check_apply(params, update, scalars)
     if rows * cols == 0:
         return
+    batch, device = len(params), update.device
     transposed = update.stride(2) != 1
     key = (
         dtype_name(params[0].dtype),
@@ -338,6 +327,38 @@ def muon_apply_from_(params: Sequence[Tensor], update: Tensor, scalars: Tensor) 
 
     config = TUNER.choose("muon_apply", key, APPLY_CONFIGS, APPLY_INTERPRETER_CONFIG, device, bench)
     _apply_launch(params, update, rows, cols, scalars, config)
+
+
+def check_apply(params: Sequence[Tensor], update: Tensor, scalars: Tensor) -> tuple[int, int]:
+    """Validate an apply's operands (one contiguous parameter of rows x cols elements per
+    matrix of update [B, rows, cols], one dtype, update's device; ``scalars`` fp32 [2]);
+    return (rows, cols)."""
+    check_lists(("params",), (params,))
+    batch = len(params)
+    if not batch:
+        raise ValueError("params: empty batch")
+    if update.ndim != 3 or update.shape[0] != batch:
+        raise ValueError(f"update must be [{batch}, m, n], got {tuple(update.shape)}")
+    rows, cols = update.shape[1], update.shape[2]
+    device = params[0].device
+    for i, x in enumerate(params):
+        if x.numel() != rows * cols or x.dtype != params[0].dtype:
+            raise ValueError(
+                f"params[{i}]: {x.numel()} elements of {x.dtype}, expected "
+                f"{rows * cols} of {params[0].dtype}"
+            )
+    if update.device != device:
+        raise ValueError(f"update is on {update.device}, params on {device}")
+    check_scalars(scalars, 2, device)
+    return rows, cols
+
+
+def param_apply(params: Sequence[Tensor], cols: int, scalars: Tensor) -> ParamApply:
+    """``muon_apply_from_(params, u, scalars)`` for the product that computes u [B, rows,
+    cols], done by its epilogue (``poly_apply``'s ``apply_to``); operands checked by the
+    caller (``check_apply``). The table is the apply kernel's, so a CUDA graph holds it."""
+    table = _table("muon_apply", (params,))
+    return ParamApply(table, params[0].dtype, (cols, 1), scalars, all_aligned((params,)))
 
 
 def muon_prep_reference(

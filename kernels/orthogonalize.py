@@ -27,7 +27,7 @@ count) runs on 16-bit batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +35,9 @@ from torch import Tensor
 
 from .gram import sym_gram
 from .gram_newton_schulz import GRAM_NS_COEFFS, GRAM_NS_RESETS, gram_newton_schulz, work_dtype
+from .muon import check_apply, muon_apply_from_, param_apply
 from .normalize import normalize, normalize_reference
-from .poly_apply import poly_apply
+from .poly_apply import ParamApply, poly_apply
 from .sumsq import sum_squares, sum_squares_reference
 
 # Polar Express (Amsel et al., arXiv:2505.16932), num_iters=5, safety factor 2e-2, cushion 2:
@@ -120,6 +121,37 @@ def orthogonalize_on(
     only ``b A + c A A`` on ``sym_gram``), ``"triton_apply"`` (only ``a X + B X``, on
     ``poly_apply``), ``"triton_all"`` (all three), or ``"auto"``: ``products_for(x)`` on
     CUDA, else ``"cublas"``."""
+    return _orthogonalize(update, sumsq, method, eps, products, None)
+
+
+def orthogonalize_apply_(
+    update: Tensor,
+    sumsq: Tensor | None,
+    params: Sequence[Tensor],
+    scalars: Tensor,
+    *,
+    method: str | OrthogonalizerFn = "polar_express",
+    eps: float | Tensor = 1e-8,
+    products: str = "auto",
+) -> None:
+    """``muon_apply_from_(params, orthogonalize_on(update, ...), scalars)``, bit for bit:
+    ``params`` (contiguous, one of rows x cols elements per matrix of update [B, rows, cols],
+    read row-major) become ``p (1 - lr wd) - adjusted_lr O``, ``scalars`` the apply's fp32
+    [2]. Where the last product runs on ``poly_apply`` (``"triton_apply"``, ``"triton_all"``;
+    Gram Newton-Schulz on non-square matrices), its epilogue applies and O is never stored;
+    elsewhere the two run one after the other."""
+    rows, cols = check_apply(params, update, scalars)  # before anything is launched
+    if rows * cols == 0:
+        return
+    apply_to = param_apply(params, cols, scalars)
+    ortho = _orthogonalize(update, sumsq, method, eps, products, apply_to)
+    if ortho is not None:  # a path whose last product is not poly_apply's
+        muon_apply_from_(params, ortho, scalars)
+
+
+def _orthogonalize(update, sumsq, method, eps, products, apply_to) -> Tensor | None:
+    """``orthogonalize_on``; with ``apply_to``, the last product applies it where that product
+    is ``poly_apply``'s, and None is returned (the result otherwise)."""
     if update.ndim != 3:
         raise ValueError(f"expected a batch [B, m, n], got shape {tuple(update.shape)}")
     if products != "auto" and products not in PRODUCTS:
@@ -145,6 +177,8 @@ def orthogonalize_on(
     tri_gram = products in ("triton", "triton_gram", "triton_all")
     tri_poly = products in ("triton", "triton_poly", "triton_all")
     tri_apply = products in ("triton_apply", "triton_all")
+    # The parameters in x's orientation, for a last product on poly_apply.
+    fused = None if apply_to is None or not tri_apply else apply_to.mT if tall else apply_to
     if spec.gram_resets is not None:
         # fp32 scale, one rounding into the working dtype (fp16 for 16-bit input).
         x = (normalize if kernels else normalize_reference)(
@@ -159,49 +193,64 @@ def orthogonalize_on(
                 tri_poly=tri_poly,
                 tri_apply=tri_apply,
                 out_dtype=update.dtype,
+                apply_to=fused,
             )
         else:  # square: nothing to gain, the iteration on X (as the package does)
             x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply).to(update.dtype)
-        return x.mT if tall else x
-    if products == "triton_all" and x.dtype in (torch.bfloat16, torch.float32):
+    elif products == "triton_all" and x.dtype in (torch.bfloat16, torch.float32):
         # The normalization folded into the first iteration (sym_gram's and poly_apply's
         # scale): no pass over the batch, and X0 = s U is never rounded. fp16 input keeps the
         # torch expression below, whose bf16 scale promotes it to fp32.
         scale = dict(sumsq=sumsq, norm_scale=spec.norm_scale, eps=eps)
-        x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply, scale=scale)
-        return x.mT if tall else x
-    # One bf16 multiply per element (fp32 inside, one rounding): no fp32 copy of the batch.
-    # The kernel and the torch expression round alike; the kernel runs on CUDA, and on the
-    # CPU (interpreter) when a Triton path is asked for. Its output is a fresh tensor, which
-    # poly_apply's buffer rotation below may write into.
-    if x.dtype == torch.bfloat16 and kernels:
-        x = normalize(x, sumsq, norm_scale=spec.norm_scale, eps=eps)
+        x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply, scale=scale, apply_to=fused)
     else:
-        x = normalize_reference(x, sumsq, norm_scale=spec.norm_scale, eps=eps)
-    x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply)
+        # One bf16 multiply per element (fp32 inside, one rounding): no fp32 copy of the
+        # batch. The kernel and the torch expression round alike; the kernel runs on CUDA,
+        # and on the CPU (interpreter) when a Triton path is asked for. Its output is a fresh
+        # tensor, which poly_apply's buffer rotation below may write into.
+        if x.dtype == torch.bfloat16 and kernels:
+            x = normalize(x, sumsq, norm_scale=spec.norm_scale, eps=eps)
+        else:
+            x = normalize_reference(x, sumsq, norm_scale=spec.norm_scale, eps=eps)
+        x = _iterate(x, spec.coeffs, tri_gram, tri_poly, tri_apply, apply_to=fused)
+    if x is None:  # applied
+        return None
     return x.mT if tall else x
 
 
 def _iterate(
-    x: Tensor, coeffs, tri_gram: bool, tri_poly: bool, tri_apply: bool, scale: dict | None = None
-) -> Tensor:
+    x: Tensor,
+    coeffs,
+    tri_gram: bool,
+    tri_poly: bool,
+    tri_apply: bool,
+    scale: dict | None = None,
+    apply_to: ParamApply | None = None,
+) -> Tensor | None:
     """X <- a X + (b A + c A A) X with A = X X^T, per coefficient triple, on x [B, m, n].
     With ``scale`` (sym_gram's and poly_apply's keywords; both on Triton): x is the caller's
-    unnormalized batch, scaled inside the first iteration's Gram and apply, and only read."""
+    unnormalized batch, scaled inside the first iteration's Gram and apply, and only read.
+    With ``apply_to`` (poly_apply's, on Triton): the last apply goes to the parameters
+    instead of a last X, and None is returned."""
     if scale is not None and not (tri_gram and tri_apply):
         raise ValueError("the scale folds into sym_gram and poly_apply: both on Triton")
+    if apply_to is not None and not tri_apply:
+        raise ValueError("apply_to is poly_apply's: the last product on Triton")
     m = x.size(-2)
     gram_buf = x.new_empty(x.size(0), m, m) if tri_gram else None
     poly_buf = x.new_empty(x.size(0), m, m) if tri_poly else None
     ours = scale is None  # the caller's x is never written; normalize's copy is ours
     spare = None  # poly_apply's next output: the buffer that the previous iteration read
-    for a, b, c in coeffs:
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
         first = scale or {}  # the scale applies to the first iteration's x only
         gram = sym_gram(x, out=gram_buf, **first) if tri_gram else torch.bmm(x, x.mT)
         if tri_poly:
             poly = sym_gram(gram, alpha=c, y=gram, beta=b, out=poly_buf)
         else:
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        if tri_apply and apply_to is not None and i == last:
+            return poly_apply(poly, x, alpha=a, apply_to=apply_to, **first)
         if tri_apply:
             # x becomes the next output once read, when it is ours (normalize's copy, or a
             # buffer of this loop) and contiguous: a .mT-laid-out first x is not reused, so

@@ -7,6 +7,8 @@ one rounding to out's dtype: what cuBLAS ``baddbmm(X, B, X, beta=alpha)`` comput
 its copy of X into the output first. Tiles are numbered along a row of tiles first, so the
 programs that run together share B's row block. Given the sums of squares, the first
 iteration's ``s (alpha X + B X)``: the normalization's scale s folded in, X the caller's.
+Given the parameters (``ParamApply``), the last iteration's: Muon's apply on the rounded
+result, ``p = p (1 - lr wd) - adjusted_lr out``, in place of storing out.
 
 As in ``gram.py``, a pointer kernel and, for the 16-bit layouts TMA reads (X and B; X may
 be a ``.mT`` view), a persistent TMA one (``poly_apply_tma.py``, with the epilogue both
@@ -22,11 +24,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
+from ._launch import (
+    FP_FUSION,
+    TUNER,
+    Config,
+    all_aligned,
+    bench_ms,
+    bucket,
+    check_scalars,
+    dtype_name,
+    scratch_like,
+    tuning_batch,
+)
 from ._tma import tma_enabled, tma_layout
 from .gram import MAX_GRID_Y, _scratch, _scratch_scale
 from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
-from .poly_apply_tma import _epilogue, _launch_tma
+from .poly_apply_tma import ApplyArgs, ParamApply, _epilogue, _launch_tma, apply_kernel_args
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
 # Measured on the H200 (bench/orthogonalize.py and a sweep, 2026-11-29): 128 x 256 tiles with
@@ -83,9 +96,17 @@ def _poly_apply_kernel(
     sumsq,  # [B] fp32, read only when HAS_SCALE
     norm_scale,
     eps_ptr,  # fp32 [1], read only when HAS_SCALE
+    table,  # [B] int64, stride_pr, stride_pc, hyper: the apply's (APPLY), see _epilogue
+    stride_pr,
+    stride_pc,
+    hyper,
     ADD_X: tl.constexpr,  # alpha != 0 (Gram Newton-Schulz's Q X has no X term)
     HAS_SCALE: tl.constexpr,  # x taken as s x, s = inverse_norm(sumsq[i_b])
     EVEN: tl.constexpr,  # M and N multiples of the tile, M of the K step: no masks
+    APPLY: tl.constexpr,  # Muon's apply on the rounded result (U_DTYPE); out not written
+    U_DTYPE: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -123,8 +144,8 @@ def _poly_apply_kernel(
     p_x = x + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
     p_o = out + r_m[:, None] * stride_om + r_n[None, :] * stride_on
     _epilogue(
-        b_acc, i_b, r_m, r_n, p_x, p_o, M, N, alpha, sumsq, norm_scale, eps_ptr, ADD_X,
-        HAS_SCALE, EVEN,
+        b_acc, i_b, r_m, r_n, p_x, p_o, M, N, alpha, sumsq, norm_scale, eps_ptr, table,
+        stride_pr, stride_pc, hyper, ADD_X, HAS_SCALE, EVEN, APPLY, U_DTYPE, P_DTYPE, ALIGNED,
     )  # fmt: skip
 
 
@@ -135,9 +156,12 @@ def _launch(
     alpha: float,
     config: Config,
     scale: NormScale | None = None,
+    apply: ApplyArgs | None = None,
 ) -> None:
+    """With ``apply`` (APPLY on), ``out`` is not written: any tensor stands in for it."""
+    apply = apply or apply_kernel_args(None, None, x)
     if config.tma:
-        _launch_tma(poly, x, out, alpha, config, scale)
+        _launch_tma(poly, x, out, alpha, config, scale, apply)
         return
     batch, m, n = x.shape
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
@@ -164,9 +188,11 @@ def _launch(
             sumsq,
             norm_scale,
             eps,
+            *apply.args,
             ADD_X=alpha != 0.0,
             HAS_SCALE=scale is not None,
             EVEN=even,
+            **apply.constexprs,
             PRECISION=precision,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block,
@@ -175,6 +201,32 @@ def _launch(
             num_stages=config.num_stages,
             enable_fp_fusion=FP_FUSION,
         )
+
+
+def _check_apply(apply_to: ParamApply, out: Tensor | None, batch: int, device) -> None:
+    if out is not None:
+        raise ValueError("with apply_to, out is not written: give none")
+    table = apply_to.table
+    if (
+        table.numel() != batch
+        or not table.is_contiguous()
+        or table.dtype != torch.int64
+        or table.device != device
+    ):
+        raise ValueError(f"apply_to.table must be {batch} contiguous int64 on {device}")
+    check_scalars(apply_to.scalars, 2, device)
+
+
+def _scratch_apply(
+    apply_to: ParamApply, u_dtype: torch.dtype, batch: int, numel: int, unread: Tensor
+) -> tuple[ApplyArgs, list[Tensor]]:
+    """``apply_to``'s kernel arguments on ``batch`` scratch parameters of ``numel`` elements
+    (returned too: the table holds their addresses, the caller keeps them alive)."""
+    device = unread.device
+    params = scratch_like([torch.empty(numel, dtype=apply_to.dtype, device=device)] * batch)
+    table = torch.tensor([p.data_ptr() for p in params], dtype=torch.int64, device=device)
+    scratch = apply_to._replace(table=table, aligned=all_aligned((params,)))
+    return apply_kernel_args(scratch, u_dtype, unread), params
 
 
 def _span(t: Tensor) -> tuple[int, int]:
@@ -189,41 +241,55 @@ def poly_apply(
     *,
     alpha: float = 1.0,
     out: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     sumsq: Tensor | None = None,
     norm_scale: float | None = None,
     eps: float | Tensor | None = None,
-) -> Tensor:
+    apply_to: ParamApply | None = None,
+) -> Tensor | None:
     """``out = alpha x + poly @ x`` for a batch x [B, M, N] (any strides) and a symmetric
     ``poly`` [B, M, M] of x's dtype (``alpha = 0``: x is not read again, not even a NaN).
     ``out`` [B, M, N], any strides and float dtype, must not overlap x or poly (the kernel
-    reads x again after other tiles are written). Returns out.
+    reads x again after other tiles are written); made when None, of ``out_dtype`` (default
+    x's). Returns out.
 
     With ``sumsq`` ([B] fp32, contiguous), ``norm_scale`` and ``eps`` (a number or an fp32
     device tensor [1]): x is taken as normalized, ``s x`` with ``normalize``'s scale
     ``s = bf16(1 / (sqrt(sumsq) * norm_scale + eps))`` per matrix, so
     ``out = s (alpha x + poly @ x)`` in fp32, one rounding: Polar Express's first
-    iteration on the caller's x, which is only read."""
+    iteration on the caller's x, which is only read.
+
+    With ``apply_to`` (``muon.param_apply``'s, a parameter per matrix), out is neither made
+    nor written (give none) and None is returned: each element, rounded to ``out_dtype`` as
+    out would be, goes into its parameter, ``p = p (1 - lr wd) - adjusted_lr u`` in fp32 as
+    ``muon_apply_from_`` computes it, the same bits as out followed by that apply."""
     if x.ndim != 3:
         raise ValueError(f"expected x [B, M, N], got shape {tuple(x.shape)}")
     batch, m, n = x.shape
     scale = norm_scale_arg(sumsq, norm_scale, eps, batch, x.device)
     if poly.shape != (batch, m, m) or poly.device != x.device or poly.dtype != x.dtype:
         raise ValueError(f"poly must be [{batch}, {m}, {m}] {x.dtype} on {x.device}")
-    if out is None:
-        out = torch.empty(batch, m, n, dtype=x.dtype, device=x.device)
-    if out.shape != (batch, m, n) or out.device != x.device:
+    if out is not None and out_dtype not in (None, out.dtype):
+        raise ValueError(f"out is {out.dtype}, out_dtype {out_dtype}: give one")
+    out_dtype = out.dtype if out is not None else out_dtype or x.dtype
+    if apply_to is not None:
+        _check_apply(apply_to, out, batch, x.device)
+    elif out is None:
+        out = torch.empty(batch, m, n, dtype=out_dtype, device=x.device)
+    if out is not None and (out.shape != (batch, m, n) or out.device != x.device):
         raise ValueError(f"out must be [{batch}, {m}, {n}] on {x.device}")
     if batch * m * n == 0:
         return out
-    lo, hi = _span(out)
-    for name, t in (("x", x), ("poly", poly)):
-        t_lo, t_hi = _span(t)
-        if lo < t_hi and t_lo < hi:
-            raise ValueError(f"out must not overlap {name}")
+    if out is not None:
+        lo, hi = _span(out)
+        for name, t in (("x", x), ("poly", poly)):
+            t_lo, t_hi = _span(t)
+            if lo < t_hi and t_lo < hi:
+                raise ValueError(f"out must not overlap {name}")
     tma = tma_enabled(x.device) and tma_layout(x) is not None and tma_layout(poly) is not None
     key = (
         dtype_name(x.dtype),
-        dtype_name(out.dtype),
+        dtype_name(out_dtype),
         m,
         bucket(n),
         x.stride(-1) == 1,  # rows contiguous, or a transposed view
@@ -232,14 +298,20 @@ def poly_apply(
         scale is not None,  # another compiled kernel (the scale's loads and multiply)
         tma,
     )  # never the batch: the config sets the order of the sums, so a matrix's bits
+    if apply_to is not None:  # another kernel again, its stores the parameters' layout's
+        key += (f"apply {dtype_name(apply_to.dtype)} {apply_to.strides[1] == 1}",)
 
     def bench(config: Config) -> float:
         # Scratch inputs of a batch fixed by the shape (same layouts), scratch output.
         n_batch = tuning_batch(m * n)
         sp, sx = _scratch(poly, n_batch), _scratch(x, n_batch)
-        so = torch.empty(n_batch, m, n, dtype=out.dtype, device=out.device)
         ss = None if scale is None else _scratch_scale(scale, n_batch)
-        return bench_ms(lambda: _launch(sp, sx, so, alpha, config, ss))
+        if apply_to is None:
+            so = torch.empty(n_batch, m, n, dtype=out_dtype, device=x.device)
+            sa = None
+        else:  # scratch parameters (alive till timed), never the caller's: each launch applies
+            so, (sa, _params) = sx, _scratch_apply(apply_to, out_dtype, n_batch, m * n, sx)
+        return bench_ms(lambda: _launch(sp, sx, so, alpha, config, ss, sa))
 
     if x.element_size() > 2:
         configs = POLY_APPLY_FP32_CONFIGS
@@ -248,7 +320,8 @@ def poly_apply(
     config = TUNER.choose(
         "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
     )
-    _launch(poly, x, out, float(alpha), config, scale)
+    apply = apply_kernel_args(apply_to, out_dtype, x)
+    _launch(poly, x, x if out is None else out, float(alpha), config, scale, apply)
     return out
 
 

@@ -3,18 +3,64 @@ and the epilogue it shares with the pointer kernel there: a loop over (matrix, o
 items, tiles along a row first, operands read through host TMA descriptors as 3-D boxes (a
 ``.mT`` x described as stored and transposed in-kernel), the same fp32 accumulation in K
 steps of ``chunk`` and the same epilogue as the pointer kernel (which also folds in the
-normalization's scale, ``HAS_SCALE``).
+normalization's scale, ``HAS_SCALE``, and Muon's apply, ``APPLY``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._launch import FP_FUSION, Config
+from ._launch import FP_FUSION, Config, triton_dtype
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
 from .normalize import NormScale, inverse_norm, scale_kernel_args
+
+
+class ParamApply(NamedTuple):
+    """Muon's apply fused into ``poly_apply``'s epilogue (``muon.param_apply`` builds it):
+    ``p = p (1 - lr wd) - adjusted_lr u`` on matrix i's parameter, u the product rounded as
+    ``out`` would be. The product's element (r, c) is the parameter's element at
+    ``r strides[0] + c strides[1]``."""
+
+    table: Tensor  # B int64, contiguous: the addresses (kernels/_launch.py's TABLES)
+    dtype: torch.dtype
+    strides: tuple[int, int]
+    scalars: Tensor  # fp32 [2]: 1 - lr wd, adjusted_lr (muon.apply_scalars)
+    aligned: bool  # every address a multiple of 16 bytes
+
+    @property
+    def mT(self) -> ParamApply:
+        """The same parameters, for the product's transpose (a tall update runs on .mT)."""
+        return self._replace(strides=self.strides[::-1])
+
+
+class ApplyArgs(NamedTuple):
+    """A product kernel's apply arguments (table, stride_pr, stride_pc, hyper) and
+    constexprs, as launched."""
+
+    args: tuple
+    constexprs: dict
+
+
+def apply_kernel_args(
+    apply_to: ParamApply | None, u_dtype: torch.dtype | None, unread: Tensor
+) -> ApplyArgs:
+    """``apply_to``'s, the product rounded to ``u_dtype``; without it (APPLY off, never
+    read), ``unread`` in the pointer places."""
+    if apply_to is None:
+        constexprs = dict(APPLY=False, U_DTYPE=None, P_DTYPE=None, ALIGNED=False)
+        return ApplyArgs((unread, 0, 0, unread), constexprs)
+    constexprs = dict(
+        APPLY=True,
+        U_DTYPE=triton_dtype(u_dtype),
+        P_DTYPE=triton_dtype(apply_to.dtype),
+        ALIGNED=apply_to.aligned,
+    )
+    return ApplyArgs((apply_to.table, *apply_to.strides, apply_to.scalars), constexprs)
 
 
 @triton.jit
@@ -31,25 +77,46 @@ def _epilogue(
     sumsq,
     norm_scale,
     eps_ptr,
+    table,  # [B] int64 parameter addresses, read only when APPLY
+    stride_pr,  # a parameter's element (r, c) at r stride_pr + c stride_pc
+    stride_pc,
+    hyper,  # fp32 [2]: 1 - lr wd, adjusted_lr (muon.apply_scalars), read only when APPLY
     ADD_X: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     EVEN: tl.constexpr,
+    APPLY: tl.constexpr,  # Muon's apply on the rounded result; out is not written
+    U_DTYPE: tl.constexpr,  # with APPLY: the dtype the unfused out has (the rounding)
+    P_DTYPE: tl.constexpr,  # with APPLY: the parameters' dtype
+    ALIGNED: tl.constexpr,  # with APPLY: every parameter address a multiple of 16 bytes
 ):
-    """alpha x + acc (s (alpha x + acc) with HAS_SCALE), fp32, one rounding, stored."""
+    """alpha x + acc (s (alpha x + acc) with HAS_SCALE), fp32, one rounding, stored; with
+    APPLY, the rounded value u goes into ``p = p decay - adjusted_lr u`` instead, as
+    ``muon.py``'s apply kernel computes it from a stored out (the same bits)."""
     if HAS_SCALE:  # the normalization folded in: alpha (s x) + P (s x) = s (alpha x + P x)
         s = inverse_norm(sumsq, i_b, norm_scale, eps_ptr, True)
     if EVEN:
+        mask = None
         if ADD_X:
             b_acc += alpha * tl.load(p_x).to(tl.float32)
-        if HAS_SCALE:
-            b_acc *= s
-        tl.store(p_o, b_acc.to(p_o.dtype.element_ty))
     else:
         mask = (r_m[:, None] < M) & (r_n[None, :] < N)
         if ADD_X:
             b_acc += alpha * tl.load(p_x, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            b_acc *= s
+    if HAS_SCALE:
+        b_acc *= s
+    if APPLY:
+        p_p = tl.load(table + i_b).to(tl.pointer_type(P_DTYPE))
+        if ALIGNED:
+            p_p = tl.multiple_of(p_p, 16)
+        # int64: one parameter may hold more than 2^31 elements
+        p_p += r_m.to(tl.int64)[:, None] * stride_pr + r_n.to(tl.int64)[None, :] * stride_pc
+        decay = tl.load(hyper)
+        lr = tl.load(hyper + 1)
+        u = b_acc.to(U_DTYPE).to(tl.float32)
+        x = tl.load(p_p, mask=mask).to(tl.float32)
+        x = x * decay - lr * u  # _muon_apply_kernel's expression: the same contraction
+        tl.store(p_p, x.to(P_DTYPE), mask=mask)
+    else:
         tl.store(p_o, b_acc.to(p_o.dtype.element_ty), mask=mask)
 
 
@@ -72,9 +139,17 @@ def _poly_apply_tma_kernel(
     sumsq,  # [B] fp32, read only when HAS_SCALE
     norm_scale,
     eps_ptr,  # fp32 [1], read only when HAS_SCALE
+    table,  # [B] int64, stride_pr, stride_pc, hyper: the apply's (APPLY), as in _epilogue
+    stride_pr,
+    stride_pc,
+    hyper,
     ADD_X: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     EVEN: tl.constexpr,  # M and N multiples of the tile: no masks on the epilogue
+    APPLY: tl.constexpr,
+    U_DTYPE: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
     X_T: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -113,13 +188,19 @@ def _poly_apply_tma_kernel(
         p_x = x + i_b64 * stride_xb + r_m[:, None] * stride_xm + r_n[None, :] * stride_xn
         p_o = out + i_b64 * stride_ob + r_m[:, None] * stride_om + r_n[None, :] * stride_on
         _epilogue(
-            b_acc, i_b64, r_m, r_n, p_x, p_o, M, N, alpha, sumsq, norm_scale, eps_ptr, ADD_X,
-            HAS_SCALE, EVEN,
+            b_acc, i_b64, r_m, r_n, p_x, p_o, M, N, alpha, sumsq, norm_scale, eps_ptr, table,
+            stride_pr, stride_pc, hyper, ADD_X, HAS_SCALE, EVEN, APPLY, U_DTYPE, P_DTYPE, ALIGNED,
         )  # fmt: skip
 
 
 def _launch_tma(
-    poly: Tensor, x: Tensor, out: Tensor, alpha: float, config: Config, scale: NormScale | None
+    poly: Tensor,
+    x: Tensor,
+    out: Tensor,
+    alpha: float,
+    config: Config,
+    scale: NormScale | None,
+    apply: ApplyArgs,
 ) -> None:
     """``_launch`` on the persistent TMA kernel (poly and x: ``tma_layout`` not None)."""
     batch, m, n = x.shape
@@ -144,9 +225,11 @@ def _launch_tma(
         sumsq,
         norm_scale,
         eps,
+        *apply.args,
         ADD_X=alpha != 0.0,
         HAS_SCALE=scale is not None,
         EVEN=even,
+        **apply.constexprs,
         X_T=x_t,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block,
