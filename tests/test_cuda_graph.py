@@ -1,7 +1,8 @@
-"""``cuda_graph=True`` on the CPU: argument checks and refusals, and the capture / replay /
-re-capture decisions (engine/graphs.py) with a stand-in graph whose replay runs the captured
-step's Python again. What a replay bakes in is checked elsewhere: no launch takes a
-hyper-parameter by value (test_step_scalars.py); replays on a GPU: test_gpu_graph.py."""
+"""``cuda_graph`` (True, and the default "auto") on the CPU: argument checks and refusals,
+and the capture / replay / re-capture decisions (engine/graphs.py) with a stand-in graph whose
+replay runs the captured step's Python again. What a replay bakes in is checked elsewhere: no
+launch takes a hyper-parameter by value (test_step_scalars.py); replays on a GPU:
+test_gpu_graph.py."""
 
 import logging
 
@@ -50,13 +51,16 @@ def _params(seed=0):
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
 
 
-def _muon(params, graphed, monkeypatch=None, made=None, fail=False, **kw):
-    groups = [
+def _groups(params):
+    return [
         dict(params=params[:3]),
         dict(params=params[3:4], algorithm="adamw", lr=3e-3),
         dict(params=params[4:], algorithm="lion", lr=1e-3),
     ]
-    opt = Muon(groups, lr=0.02, backend="triton", **kw)
+
+
+def _muon(params, graphed, monkeypatch=None, made=None, fail=False, **kw):
+    opt = Muon(_groups(params), lr=0.02, backend="triton", **{"cuda_graph": False, **kw})
     if graphed:
         # The CPU stands in for the GPU: the device check is the one thing bypassed.
         monkeypatch.setattr(graphs, "check_device", lambda cuda_graph, device: None)
@@ -90,11 +94,11 @@ def _equal(a, b, opt_a, opt_b):
 # ------------------------------------------------------------------ arguments and refusals
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None, 0.0])
-def test_cuda_graph_must_be_a_bool(value):
-    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+@pytest.mark.parametrize("value", ["yes", "Auto", 1, 0, None, 0.0])
+def test_cuda_graph_must_be_a_bool_or_auto(value):
+    with pytest.raises(ValueError, match="cuda_graph must be True, False or 'auto'"):
         Muon(_params(), cuda_graph=value)
-    with pytest.raises(ValueError, match="cuda_graph must be True or False"):
+    with pytest.raises(ValueError, match="cuda_graph must be True, False or 'auto'"):
         AdamW(_params(), cuda_graph=value)
 
 
@@ -274,3 +278,92 @@ def test_key_names_what_changed(monkeypatch):
     moved = key()
     params[1].data = params[1].data.clone()
     assert graphs.changed(key(), moved).startswith("the parameters")
+
+
+# ------------------------------------------------------------------ "auto" (the default)
+
+
+def _auto(params, monkeypatch, made, **kw):
+    """A default ("auto") optimizer whose graphs are stand-ins, the CPU taken for a GPU."""
+    monkeypatch.setattr(graphs, "auto_blocker", lambda device, backend: None)
+
+    def new_graph(stream):
+        made.append(FakeGraph())
+        return made[-1]
+
+    monkeypatch.setattr(graphs, "_CudaGraph", new_graph)
+    return Muon(_groups(params), lr=0.02, backend="triton", **kw)
+
+
+def test_auto_is_the_default_and_runs_eagerly_off_cuda():
+    a, b = _params(), _params()
+    opt_a, opt_b = Muon(a[:3], lr=0.02), Muon(b[:3], lr=0.02, cuda_graph=False)
+    assert opt_a.cuda_graph == "auto" and AdamW(_params()).cuda_graph == "auto"
+    for s in range(4):
+        for opt, ps in ((opt_a, a), (opt_b, b)):
+            _grads(ps[:3], s)
+            opt.step()
+    _equal(a[:3], b[:3], opt_a, opt_b)
+    assert opt_a.graph_stats()["captures"] == 0 and opt_b.graph_stats() is None
+    assert graphs.auto_blocker(torch.device("cpu"), "triton") == "parameters on cpu"
+    assert graphs.auto_blocker(torch.device("cuda", 0), "torch") == "the torch backend"
+    assert graphs.auto_blocker(torch.device("cuda", 0), "auto") is None
+
+
+def test_auto_captures_and_replays_as_true_does(monkeypatch):
+    a, b, made = _params(), _params(), []
+    opt_a = _auto(a, monkeypatch, made)
+    opt_b = _muon(b, False)
+    for s in range(5):
+        for opt, ps in ((opt_a, a), (opt_b, b)):
+            _grads(ps, s)
+            opt.param_groups[0]["lr"] *= 0.8
+            opt.step()
+    _equal(a, b, opt_a, opt_b)
+    stats = opt_a.graph_stats()
+    assert (stats["captures"], stats["replays"], stats["eager_steps"]) == (1, 3, 1)
+    assert len(made) == 1 and made[0].replays == 4
+
+
+def test_auto_runs_a_step_with_a_closure_eagerly(monkeypatch):
+    params, made, calls = _params(), [], []
+    opt = _auto(params, monkeypatch, made)
+    for s in range(5):
+        _grads(params, s)
+        opt.step((lambda: calls.append(3) or 1.0) if s == 3 else None)
+    # 0 eager, 1 capture, 2 replay, 3 the closure's step outside the graphs, 4 replay
+    stats = opt.graph_stats()
+    assert calls == [3] and (stats["captures"], stats["replays"], stats["eager_steps"]) == (1, 2, 1)
+
+
+def test_auto_stays_eager_with_a_mesh_or_dtensor(monkeypatch):
+    params, made = _params(), []
+    opt = _auto(params, monkeypatch, made)
+    assert graphs.group_blocker({"params": []}, object()) == "a distributed_mesh"
+    assert graphs.group_blocker({"params": params}, None) is None
+    opt._graph_blocker = "a distributed_mesh"  # what a mesh or a DTensor group sets
+    for s in range(4):
+        _grads(params, s)
+        opt.step()
+    assert not made and opt.graph_stats()["eager_steps"] == 0  # never through StepGraphs
+
+
+def test_auto_gives_up_at_info_level(monkeypatch, caplog):
+    params, made, kept = _params(), [], []
+    opt = _auto(params, monkeypatch, made)
+    with caplog.at_level(logging.INFO, logger="muon_offload.engine.graphs"):
+        for s in range(MAX_MISSES + 3):
+            _grads(params, s, move=True)
+            kept.append([p.grad for p in params])
+            opt.step()
+    records = [r for r in caplog.records if "stays eager" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    assert not made and "gradients" in opt.graph_stats()["off"]
+
+
+def test_auto_accepts_what_true_refuses():
+    """Off CUDA, the torch backend, a closure: "auto" runs them (eagerly), True refuses."""
+    params = _params()
+    opt = Muon(params[:3], lr=0.02, backend="torch")
+    _grads(params[:3], 0)
+    assert opt.step(lambda: 2.0) == 2.0 and opt.param_groups[0]["step"] == 1

@@ -1,5 +1,6 @@
-"""``cuda_graph=True`` on a GPU: replayed steps equal eager steps bit for bit (Muon with fp32,
-bf16 and 8-bit state, AdamW; resident and offloaded), hyper-parameter changes reach the replay,
+"""``cuda_graph=True`` (and the default "auto") on a GPU: replayed steps equal eager steps bit
+for bit (Muon with fp32, bf16 and 8-bit state, AdamW; resident and offloaded), hyper-parameter
+changes reach the replay,
 moved gradients and ``load_state_dict`` re-capture. Each test runs the same steps on an
 optimizer without graphs and compares weights and state exactly.
 
@@ -64,9 +65,9 @@ def _schedule(opt, step):
                 g["betas"] = (0.8, 0.99)
 
 
-def _run_pair(kind, steps=7, between=None, move_at=(), **kw):
+def _run_pair(kind, steps=7, between=None, move_at=(), graph=True, **kw):
     init = _model()
-    pair = [_make(kind, init, graph, **kw) for graph in (True, False)]
+    pair = [_make(kind, init, mode, **kw) for mode in (graph, False)]
     kept = []
     for s in range(steps):
         for params, opt in pair:
@@ -104,6 +105,12 @@ CASES = [
 def test_replay_equals_eager_bitwise(kind, kw):
     stats = _run_pair(kind, **kw)
     assert stats["captures"] == 1 and stats["replays"] == 5  # 0 eager, 1 capture, 2-6 replay
+
+
+@pytest.mark.parametrize("kw", [{}, {"offload": True, "chunk_bytes": 1 << 20}])
+def test_auto_default_replays_as_true_does(kw):
+    stats = _run_pair("muon", graph="auto", **kw)
+    assert stats["captures"] == 1 and stats["replays"] == 5
 
 
 def test_moved_gradients_recapture_and_stay_exact():

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..distributed import DTensor, local, resolve_mesh
 from ..hyper import Hyper
+from . import graphs
 from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims
 
@@ -263,6 +264,8 @@ class CheckpointMixin:
         super().__setstate__({**state, "state": {}})
         self._setup(settings, resolve_mesh(None))
         self._constructed = True
+        for group in self.param_groups:  # no meshes here, but DTensor parameters may be
+            self._graph_blocker = self._graph_blocker or graphs.group_blocker(group, None)
         self.state = defaultdict(dict)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
         keys = {name: a.state_keys for name, a in self.algorithms.items()}

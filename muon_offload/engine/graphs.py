@@ -1,7 +1,12 @@
-"""``cuda_graph=True``: the step's GPU work captured once as a CUDA graph and replayed.
+"""CUDA graphs: the step's GPU work captured once as a CUDA graph and replayed.
 
 The host time of a step is mostly kernel launches (thousands a step on large models); a replay
-issues them all at once. What a step passes to its launches by value, the graph keeps, so:
+issues them all at once. ``cuda_graph="auto"`` (the default) captures wherever a graph can
+run: parameters on CUDA, the Triton kernels, no ``distributed_mesh`` or DTensor, no
+``closure``; elsewhere, and once graphs are given up, the step stays eager without a word
+above the INFO log level. ``cuda_graph=True`` refuses what cannot be captured instead, and
+warns when it gives up; ``False`` never captures. What a step passes to its launches by value,
+the graph keeps, so:
 
 - runtime scalars (learning rates, decays, bias corrections, mu, eps) are read by the kernels
   from the step's scalar table (``scalars.py``), which every step, eager or replayed, fills;
@@ -19,10 +24,12 @@ stream, where the eager steps also ran, as torch asks) and replay that step; rep
 Nothing may allocate host memory, copy from pageable memory or tune under capture: a miss
 raises ``CaptureMiss`` (kernels/_launch.py) and graphs are turned off, eagerly. After
 ``MAX_MISSES`` steps in a row that could not replay (gradients at new addresses every step),
-a warning is logged once and the optimizer stays eager.
+the optimizer stays eager (logged once: a warning with ``True``, INFO with ``"auto"``).
 
 Pointer tables read by the graph are held with it (``TableCache.holding``); temporaries live in
-the graph's private memory pool (``pool_bytes``: about one step's peak of temporaries).
+the graph's private memory pool (``pool_bytes``: about one step's peak of temporaries; memory
+that the forward and backward passes can no longer borrow from the caching allocator, which is
+the price of ``"auto"``: ``cuda_graph=False`` gives it back).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from ..kernels._launch import TABLES
 log = logging.getLogger(__name__)
 
 MAX_MISSES = 4  # steps in a row that could not replay before graphs are given up
+_GIVE_UP_LEVEL = {False: logging.WARNING, True: logging.INFO}  # by: is the mode "auto"
 
 
 class GraphKey(NamedTuple):
@@ -98,8 +106,8 @@ def changed(a: GraphKey, b: GraphKey) -> str:
 
 
 def check_settings(settings, mesh_group) -> None:
-    """Constructor arguments ``cuda_graph=True`` cannot work with."""
-    if not settings.cuda_graph:
+    """Constructor arguments ``cuda_graph=True`` cannot work with ("auto" runs them eagerly)."""
+    if settings.cuda_graph is not True:
         return
     if settings.backend == "torch":
         raise ValueError(
@@ -108,6 +116,24 @@ def check_settings(settings, mesh_group) -> None:
         )
     if mesh_group is not None:
         raise NotImplementedError("cuda_graph=True does not support a distributed_mesh yet")
+
+
+def group_blocker(group: dict, mesh_group) -> str | None:
+    """Why ``"auto"`` keeps every step with this param group eager (None: nothing here)."""
+    if mesh_group is not None:
+        return "a distributed_mesh"
+    if any(isinstance(p, DTensor) for p in group["params"]):
+        return "DTensor parameters"
+    return None
+
+
+def auto_blocker(device: torch.device, backend: str) -> str | None:
+    """Why ``"auto"`` keeps a step on ``device`` eager (None: it may capture)."""
+    if device.type != "cuda":
+        return f"parameters on {device}"
+    if backend == "torch":
+        return "the torch backend"
+    return None
 
 
 def check_group(group: dict, index: int, mesh_group) -> None:
@@ -128,9 +154,10 @@ def check_group(group: dict, index: int, mesh_group) -> None:
             )
 
 
-def check_device(cuda_graph: bool, device: torch.device | None) -> None:
-    """A step's parameters must be on CUDA (they may have moved since construction)."""
-    if cuda_graph and device is not None and device.type != "cuda":
+def check_device(cuda_graph: bool | str, device: torch.device | None) -> None:
+    """With ``True``, a step's parameters must be on CUDA (they may have moved since
+    construction)."""
+    if cuda_graph is True and device is not None and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs parameters on a CUDA device, not {device}")
 
 
@@ -165,8 +192,14 @@ class StepGraphs:
     ``new_graph()`` makes an object with ``capture(body)``, ``replay()`` and ``reset()``
     (a CUDA graph on the GPU; tests pass a stand-in)."""
 
-    def __init__(self, device: torch.device, new_graph: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        new_graph: Callable[[], object] | None = None,
+        give_up_level: int = logging.WARNING,
+    ):
         self.device = torch.device(device)
+        self.give_up_level = give_up_level  # INFO for "auto": nobody asked for graphs
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._new_graph = new_graph or (lambda: _CudaGraph(self._stream))
@@ -236,7 +269,7 @@ class StepGraphs:
     def _give_up(self, why: str) -> None:
         self.drop()
         self.off = why
-        log.warning("cuda_graph: the step stays eager from now on (%s)", why)
+        log.log(self.give_up_level, "cuda_graph: the step stays eager from now on (%s)", why)
 
     def _eager(self, body) -> None:
         """An eager step on the side stream that captures use (torch's warm-up rule)."""
@@ -269,22 +302,29 @@ class StepGraphs:
 
 
 class GraphMixin:
-    """The optimizer's side of ``cuda_graph=True`` (``ChunkedOptimizer``)."""
+    """The optimizer's side of ``cuda_graph`` (``ChunkedOptimizer``); it keeps
+    ``_graph_blocker``: why "auto" stays eager for the whole optimizer (a mesh, a DTensor)."""
 
-    def _run_step(self, work, layouts, hypers, transfers, update, side=None) -> None:
+    def _run_step(
+        self, work, layouts, hypers, transfers, update, side=None, closure: bool = False
+    ) -> None:
         """The step's GPU work, the chunks through the scheduler (``side``: the chunks it may
-        run on its side lane): run eagerly, or captured and replayed (``cuda_graph=True``;
-        eager while ``timeline()`` records)."""
+        run on its side lane): run eagerly, or captured and replayed (``cuda_graph``; eager
+        while ``timeline()`` records, and with ``"auto"`` where a graph cannot run)."""
         sched = self._scheduler
 
         def body() -> None:
             sched.run(transfers, update, side)
 
-        if not self.cuda_graph or self._timeline_marks is not None:
+        if not self._graphed(sched.device, closure):
             body()
             return
         if self._graphs is None or self._graphs.device != sched.device:
-            self._graphs = StepGraphs(sched.device)
+            auto = self.cuda_graph == "auto"
+            self._graphs = StepGraphs(sched.device, give_up_level=_GIVE_UP_LEVEL[auto])
+        if self._graphs.off is not None:  # given up: no key to compute
+            self._graphs.step(None, self._graphs.off, layouts, body)
+            return
         sched.prepare(transfers, side)  # the staging arena as this step uses it, for the key
         table = self._scalars.buffer if self._scalars is not None else None
         if table is None:
@@ -302,11 +342,21 @@ class GraphMixin:
             )
         self._graphs.step(key, why, layouts, body)
 
+    def _graphed(self, device: torch.device, closure: bool) -> bool:
+        """Whether this step goes through ``StepGraphs`` (captured, replayed, or eager while
+        its key settles)."""
+        if self.cuda_graph is False or self._timeline_marks is not None:
+            return False
+        if self.cuda_graph is True:
+            return True  # refused before anything ran where it cannot capture
+        blocker = self._graph_blocker or auto_blocker(device, self.backend)
+        return blocker is None and not closure
+
     def graph_stats(self) -> dict | None:
-        """With ``cuda_graph=True``: captures, replays, eager steps, whether a graph is held,
-        its memory pool's bytes (approximate: the reserved memory the capture added) and why
-        graphs were given up (None while they are not). None otherwise."""
-        if not self.cuda_graph:
+        """With ``cuda_graph`` True or "auto": captures, replays, eager steps, whether a graph
+        is held, its memory pool's bytes (approximate: the reserved memory the capture added)
+        and why graphs were given up (None while they are not). None with False."""
+        if self.cuda_graph is False:
             return None
         if self._graphs is None:
             return StepGraphs(torch.device("cpu")).stats()

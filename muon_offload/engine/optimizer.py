@@ -72,7 +72,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         state_dtype: torch.dtype | None,
         backend: str,
         distributed_mesh=None,
-        cuda_graph: bool = False,
+        cuda_graph: bool | str = "auto",
     ):
         settings = Settings.check(
             offload=offload,
@@ -105,6 +105,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self.backend = settings.backend
         self.cuda_graph = settings.cuda_graph
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
+        # Why "auto" keeps every step eager (a mesh or DTensor parameters), None if nothing.
+        self._graph_blocker = None if mesh.group is None else "a distributed_mesh"
         # (plan, transfers, layouts, side, the work planned) by what they depend on (``_plan``);
         # cleared whenever state is created or loaded and when the budgets change.
         self._plans: dict[
@@ -133,12 +135,13 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         try:
             if group_mesh is not None:
                 self._group_meshes[index] = resolve_mesh(group_mesh)
-            if self.cuda_graph:
-                graphs.check_group(self.param_groups[index], index, self._mesh_of(index).group)
-            hyper = self._read_hyper(self.param_groups[index], index)
-            check_param_dtypes(self.param_groups[index], index)
+            group, mesh_group = self.param_groups[index], self._mesh_of(index).group
+            if self.cuda_graph is True:
+                graphs.check_group(group, index, mesh_group)
+            hyper = self._read_hyper(group, index)
+            check_param_dtypes(group, index)
             self._check_quantizable(index)
-            for p in self.param_groups[index]["params"]:
+            for p in group["params"]:
                 self._placement(index, p, hyper)
             if self._constructed:
                 check_ranks_agree(self.param_groups, self._mesh_of)
@@ -147,6 +150,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             self.param_groups.pop()
             self._group_meshes.pop(index, None)
             raise
+        self._graph_blocker = self._graph_blocker or graphs.group_blocker(group, mesh_group)
 
     def _mesh_of(self, group_index: int) -> Mesh:
         return self._group_meshes.get(group_index, self._mesh)
@@ -259,7 +263,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         loss = None
-        if self.cuda_graph and closure is not None:
+        if self.cuda_graph is True and closure is not None:
             raise ValueError("cuda_graph=True takes no closure: run it before step()")
         if closure is not None:
             with torch.enable_grad():
@@ -294,7 +298,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             run_chunk(ctx, layouts[i], views, progress[i], None if rows is None else rows[i])
 
         try:
-            self._run_step(work, layouts, hypers, transfers, update, side)  # maybe a graph
+            # Maybe a graph; "auto" runs a step with a closure eagerly (the closure's work and
+            # the step's are the user's to order, not a graph's).
+            self._run_step(work, layouts, hypers, transfers, update, side, closure is not None)
         except BaseException as err:
             report = interrupted(plan, work, progress, err, self.param_groups)
             if isinstance(err, Exception):

@@ -44,7 +44,7 @@ class Settings:
     resident_bytes: int | None  # None: everything resident (offload off)
     state_dtype: torch.dtype | None
     backend: str
-    cuda_graph: bool = False
+    cuda_graph: bool | str = "auto"
 
     @classmethod
     def check(
@@ -56,12 +56,13 @@ class Settings:
         resident_chunk_bytes,
         state_dtype,
         backend,
-        cuda_graph=False,
+        cuda_graph="auto",
     ) -> Settings:
-        for name, flag in (("offload", offload), ("cuda_graph", cuda_graph)):
-            if not isinstance(flag, bool):
-                # "no" or 0.0 would read as a truth value; say what is wanted instead.
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        # "no" or 0.0 would read as a truth value; say what is wanted instead.
+        if not isinstance(offload, bool):
+            raise ValueError(f"offload must be True or False, got {offload!r}")
+        if cuda_graph not in (True, False, "auto") or not isinstance(cuda_graph, (bool, str)):
+            raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
         if chunk_bytes is None:
             chunk_bytes = DEFAULT_CHUNK_BYTES
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
