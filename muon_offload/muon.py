@@ -96,6 +96,18 @@ class MuonUpdate(Algorithm):
 
         where = f"param group {job.group} (parameter of shape {tuple(shape)})"
         placement = placement_of(params[0], job.mesh, h.flatten, where)
+        apply = dict(
+            lr=h.lr,
+            weight_decay=h.weight_decay,
+            adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
+            scalars=None if row is None else row[8:10],
+        )
+        if placement.kind == "local" and not h.split_sizes and xs[0].numel():
+            # Whole on this rank: the apply joins the last product where that is Triton's.
+            dispatch.orthogonalize_apply_(
+                job.backend, xs, update, sumsq, method=self.orthogonalizer, eps=eps, **apply
+            )
+            return
         if placement.kind == "sharded":
             ortho = yield from orthogonalize_sharded(update, placement, job.mesh, orthogonalize)
         elif placement.kind == "replicated":
@@ -103,15 +115,7 @@ class MuonUpdate(Algorithm):
         else:
             ortho = orthogonalize(update, sumsq)
         if xs[0].numel():
-            dispatch.muon_apply_(
-                job.backend,
-                xs,
-                ortho,
-                lr=h.lr,
-                weight_decay=h.weight_decay,
-                adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
-                scalars=None if row is None else row[8:10],
-            )
+            dispatch.muon_apply_(job.backend, xs, ortho, **apply)
 
 
 def _matrices(t: Tensor, flatten: bool) -> list[Tensor]:

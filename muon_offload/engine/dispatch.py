@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import elementwise, muon, orthogonalize
+from ..kernels._launch import device_scalars
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -56,6 +57,21 @@ def muon_apply_(backend: str, params, update: Tensor, *, scalars=None, **hyper) 
         muon.muon_apply_from_(params, update, scalars)
     else:
         muon.muon_apply_(params, update, **hyper)
+
+
+def orthogonalize_apply_(
+    backend: str, params, update: Tensor, sumsq, *, method, eps, scalars=None, **hyper
+) -> None:
+    """``orthogonalize_batch`` then ``muon_apply_`` (no ``split_sizes``), the apply fused
+    into the orthogonalization's last product where it runs on Triton (bit for bit the
+    same: kernels/orthogonalize.py ``orthogonalize_apply_``)."""
+    if not _use_triton(backend, params[0]):
+        ortho = orthogonalize.orthogonalize(update, sumsq, method=method, eps=eps)
+        muon.muon_apply_reference_(params, ortho, **hyper)
+        return
+    if scalars is None:
+        scalars = device_scalars(muon.apply_scalars(**hyper), params[0].device)
+    orthogonalize.orthogonalize_apply_(update, sumsq, params, scalars, method=method, eps=eps)
 
 
 # 8-bit state (kernels/quantized_elementwise.py, kernels/quantized_muon.py), imported where it
