@@ -87,9 +87,9 @@ def main() -> int:
         "workload": args.workload,
         "layers": args.layers,
     }
-    variants = {"ours_resident": {}}
+    variants = {"ours_resident": {"cuda_graph": False}}  # eager: the launches are profiled
     if args.gram_newton_schulz:
-        variants["ours_resident_gns"] = {"use_gram_newton_schulz": True}
+        variants["ours_resident_gns"] = {"use_gram_newton_schulz": True, "cuda_graph": False}
     if args.cuda_graph:
         variants["ours_resident_graph"] = {"cuda_graph": True}
     for name, kwargs in variants.items():

@@ -14,7 +14,9 @@ that rotates by round; the figure is the median over rounds of ours / dion's in 
 round. ``--chunk-mib`` steps ours at several chunk sizes (in a resident step the chunk size
 only sets how many same-shape matrices are orthogonalized together). Each step's SM clock is
 recorded where NVML answers (``torch.cuda.clock_rate``), and the host's time to return from
-``step()``. dion runs eagerly (torch.compile off), as in docs/benchmarks.md.
+``step()``. dion runs eagerly (torch.compile off), as in docs/benchmarks.md; ours at its
+defaults (``cuda_graph="auto"``: replayed after the warm-up's capture), and with ``--eager``
+also without graphs.
 """
 
 from __future__ import annotations
@@ -83,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         "dion step (its default orthogonalization), in the same rounds",
     )
     ap.add_argument(
-        "--cuda-graph",
+        "--eager",
         action="store_true",
-        help="also ours with cuda_graph=True (and, with --gram-newton-schulz, Gram Newton-Schulz "
-        "with it), in the same rounds",
+        help="also ours with cuda_graph=False (and, with --gram-newton-schulz, Gram Newton-Schulz "
+        "so), in the same rounds: ours runs at default settings, cuda_graph='auto', otherwise",
     )
     args = ap.parse_args(argv)
     if args.chunk_mib is not None and min(args.chunk_mib) < 1:
@@ -104,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         opts[name] = Muon(groups, lr=MUON_LR, chunk_bytes=None if mib is None else mib << 20)
     if args.gram_newton_schulz:
         opts["ours_gns"] = Muon(groups, lr=MUON_LR, use_gram_newton_schulz=True)
-    if args.cuda_graph:
-        opts["ours_graph"] = Muon(groups, lr=MUON_LR, cuda_graph=True)
+    if args.eager:
+        opts["ours_eager"] = Muon(groups, lr=MUON_LR, cuda_graph=False)
         if args.gram_newton_schulz:
-            opts["ours_gns_graph"] = Muon(
-                groups, lr=MUON_LR, use_gram_newton_schulz=True, cuda_graph=True
+            opts["ours_gns_eager"] = Muon(
+                groups, lr=MUON_LR, use_gram_newton_schulz=True, cuda_graph=False
             )
     ours = list(opts)
     opts["dion"] = dion.Muon(groups, lr=MUON_LR)

@@ -56,8 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     groups, _, _ = build(workload(args.workload, args.layers), dev)
     opts = {
-        "resident": Muon(groups, lr=MUON_LR),
-        "offload": Muon(groups, lr=MUON_LR, offload=True, chunk_bytes=args.chunk_mib << 20),
+        # Eager: a replayed graph would keep the TMA setting it was captured with.
+        "resident": Muon(groups, lr=MUON_LR, cuda_graph=False),
+        "offload": Muon(
+            groups, lr=MUON_LR, offload=True, chunk_bytes=args.chunk_mib << 20, cuda_graph=False
+        ),
     }
     runs = [(mode, tma) for mode in opts for tma in (False, True)]
     for _ in range(args.warmup):  # state, then tuning under each setting
