@@ -28,12 +28,10 @@ from ._launch import (
     FP_FUSION,
     TUNER,
     Config,
-    all_aligned,
     bench_ms,
     bucket,
     check_scalars,
     dtype_name,
-    scratch_like,
     tuning_batch,
 )
 from ._tma import tma_enabled, tma_layout
@@ -217,18 +215,6 @@ def _check_apply(apply_to: ParamApply, out: Tensor | None, batch: int, device) -
     check_scalars(apply_to.scalars, 2, device)
 
 
-def _scratch_apply(
-    apply_to: ParamApply, u_dtype: torch.dtype, batch: int, numel: int, unread: Tensor
-) -> tuple[ApplyArgs, list[Tensor]]:
-    """``apply_to``'s kernel arguments on ``batch`` scratch parameters of ``numel`` elements
-    (returned too: the table holds their addresses, the caller keeps them alive)."""
-    device = unread.device
-    params = scratch_like([torch.empty(numel, dtype=apply_to.dtype, device=device)] * batch)
-    table = torch.tensor([p.data_ptr() for p in params], dtype=torch.int64, device=device)
-    scratch = apply_to._replace(table=table, aligned=all_aligned((params,)))
-    return apply_kernel_args(scratch, u_dtype, unread), params
-
-
 def _span(t: Tensor) -> tuple[int, int]:
     """The byte range [first, last) that a tensor's elements occupy."""
     extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
@@ -298,20 +284,16 @@ def poly_apply(
         scale is not None,  # another compiled kernel (the scale's loads and multiply)
         tma,
     )  # never the batch: the config sets the order of the sums, so a matrix's bits
-    if apply_to is not None:  # another kernel again, its stores the parameters' layout's
-        key += (f"apply {dtype_name(apply_to.dtype)} {apply_to.strides[1] == 1}",)
+    # Nor the apply: the fused launch takes the config that the unfused out gets, so its bits
+    # are that out's (and the apply's) on any GPU; the bench never runs the apply.
 
     def bench(config: Config) -> float:
         # Scratch inputs of a batch fixed by the shape (same layouts), scratch output.
         n_batch = tuning_batch(m * n)
         sp, sx = _scratch(poly, n_batch), _scratch(x, n_batch)
+        so = torch.empty(n_batch, m, n, dtype=out_dtype, device=x.device)
         ss = None if scale is None else _scratch_scale(scale, n_batch)
-        if apply_to is None:
-            so = torch.empty(n_batch, m, n, dtype=out_dtype, device=x.device)
-            sa = None
-        else:  # scratch parameters (alive till timed), never the caller's: each launch applies
-            so, (sa, _params) = sx, _scratch_apply(apply_to, out_dtype, n_batch, m * n, sx)
-        return bench_ms(lambda: _launch(sp, sx, so, alpha, config, ss, sa))
+        return bench_ms(lambda: _launch(sp, sx, so, alpha, config, ss))
 
     if x.element_size() > 2:
         configs = POLY_APPLY_FP32_CONFIGS
