@@ -144,15 +144,25 @@ def drive(config_index: int) -> None:
                     for p in group["params"]:
                         p.grad = torch.randn_like(p)
                 opt.step()
-    from muon_offload.kernels.orthogonalize import ORTHOGONALIZERS, orthogonalize_on
+    from muon_offload.kernels.orthogonalize import (
+        ORTHOGONALIZERS,
+        orthogonalize_apply_,
+        orthogonalize_on,
+    )
 
     # The products on Triton (the engine picks them on CUDA for 16-bit batches; the CPU
-    # takes torch's unless asked), each shape class: wide, tall, square, tile-even.
+    # takes torch's unless asked), each shape class: wide, tall, square, tile-even; and
+    # with Muon's apply in the last product, on fp32 and bf16 parameters.
+    scalars = torch.ones(2)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for method in ORTHOGONALIZERS:
             for shape in ((2, 72, 96), (2, 96, 72), (1, 64, 64), (1, 128, 256)):
                 x = torch.randn(*shape).to(dtype)
                 orthogonalize_on(x, None, method=method, products="triton_all")
+                for p_dtype in (torch.float32, torch.bfloat16):
+                    params = [torch.zeros(shape[1:], dtype=p_dtype) for _ in range(shape[0])]
+                    kw = dict(method=method, products="triton_all")
+                    orthogonalize_apply_(x, None, params, scalars, **kw)
 
 
 def drive_tma() -> None:
@@ -160,9 +170,12 @@ def drive_tma() -> None:
     (the recorded steps, on small matrices, reach only some): layouts (rows contiguous,
     ``.mT`` views, a padded row stride), Y, the diagonal, symmetrize, w, alpha X, tiles that
     divide the matrix or not, the normalization's scale folded in (Polar Express's first
-    iteration, bf16); bf16, and fp16 (Gram Newton-Schulz's) with the first config."""
+    iteration, bf16), Muon's apply in place of out (the last product's: the parameters in the
+    product's layout or transposed, fp32 and bf16); bf16, and fp16 (Gram Newton-Schulz's)
+    with the first config."""
     from muon_offload.kernels import gram, poly_apply
     from muon_offload.kernels.normalize import norm_scale_arg
+    from muon_offload.kernels.poly_apply_tma import ParamApply, apply_kernel_args
 
     scale = norm_scale_arg(torch.ones(2), 1.02, 1e-8, 2, torch.device("cpu"))
 
@@ -203,6 +216,12 @@ def drive_tma() -> None:
                         poly_apply._launch(poly, x, out, alpha, config)
                     if dtype == torch.bfloat16:
                         poly_apply._launch(poly, x, out, 3.9, config, scale)
+                    for p_dtype, strides in ((torch.float32, (n, 1)), (torch.bfloat16, (1, m))):
+                        table = torch.zeros(2, dtype=torch.int64)
+                        to = ParamApply(table, p_dtype, strides, torch.ones(2), True)
+                        alpha = 0.0 if dtype == torch.float16 else 2.3  # Gram NS: Q X
+                        apply = apply_kernel_args(to, torch.bfloat16, x)
+                        poly_apply._launch(poly, x, x, alpha, config, None, apply)
                 poly_apply._launch(poly.mT, x, out, 3.9, config)  # column-major poly
 
 
