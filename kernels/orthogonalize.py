@@ -19,6 +19,11 @@ U is only read. Elsewhere ``normalize.py`` writes X0 into a fresh buffer first (
 two that poly_apply then writes into in turn, when it is contiguous). Gram Newton-Schulz
 always normalizes first (fp16, its own scale).
 
+``orthogonalize_apply_`` adds Muon's apply (``muon.py``): where the last product is
+``poly_apply``'s, its epilogue rounds X5 as it would be stored and steps the parameters with
+the apply kernel's expression instead, so X5 is never written nor read back; elsewhere it
+orthogonalizes and then launches the apply kernel. The same bits either way.
+
 A matrix's result does not depend on the batch it came in: on CUDA every choice (the
 products' path, each kernel's config, the order of the norm's sum) follows from the
 matrix's shape, dtype and layout, and no cuBLAS call (whose algorithm follows the batch
