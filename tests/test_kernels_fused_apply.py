@@ -157,20 +157,22 @@ def _symmetric(batch, m, dtype, gen):
 
 
 @pytest.mark.parametrize(
-    "x_dtype,out_dtype,x_t,param_t,scaled",
+    "x_dtype,out_dtype,x_t,param_t,scaled,m,n",
     [
-        (F32, F32, False, False, False),
-        (F32, F32, True, True, True),  # x a .mT view, parameters [N, M], the scale folded in
-        (F16, F16, True, False, False),
-        (F16, BF16, False, True, False),  # Gram Newton-Schulz's: rounded to another dtype
+        (F32, F32, False, False, False, 33, 45),
+        (F32, F32, True, True, True, 33, 45),  # x a .mT view, parameters [N, M], scaled
+        (F16, F16, True, False, False, 33, 45),
+        (F16, BF16, False, True, False, 33, 45),  # Gram Newton-Schulz's: another rounding
+        (F32, F32, False, True, False, 32, 64),  # whole tiles: the unmasked epilogue
+        (F16, BF16, True, False, True, 64, 32),
     ],
     ids=str,
 )
-def test_poly_apply_to_params(x_dtype, out_dtype, x_t, param_t, scaled):
+def test_poly_apply_to_params(x_dtype, out_dtype, x_t, param_t, scaled, m, n):
     """``poly_apply(apply_to=...)`` returns None and applies what ``out`` would hold: the
     product's (r, c) is the parameter's (r, c), or (c, r) for ``.mT`` (tall updates)."""
     gen = torch.Generator().manual_seed(11)
-    batch, m, n = 3, 33, 45
+    batch = 3
     x = torch.randn((batch, n, m) if x_t else (batch, m, n), generator=gen).to(x_dtype)
     x = x.mT if x_t else x
     poly = _symmetric(batch, m, x_dtype, gen)
