@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,7 +38,6 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
-from .poly_apply_tma import ParamApply
 from .sumsq import LOG2_SUMSQ_BLOCK, SUMSQ_BLOCK, SUMSQ_CHUNK, groups_for, sum_partials, tree_sum
 
 # prep: one group of the sum of squares (``sumsq.py``) per program, ``SUMSQ_BLOCK`` lanes:
@@ -56,6 +56,33 @@ APPLY_CONFIGS = (
     Config(block=64, block_m=32, num_warps=4),
 )
 APPLY_INTERPRETER_CONFIG = Config(block=32, block_m=16, num_warps=4)
+
+
+class ParamApply(NamedTuple):
+    """Muon's apply fused into ``poly_apply``'s epilogue (``param_apply`` builds it):
+    ``p = p (1 - lr wd) - adjusted_lr u`` on matrix i's parameter, u the product rounded as
+    ``out`` would be. The product's element (r, c) is the parameter's element at
+    ``r strides[0] + c strides[1]``."""
+
+    table: Tensor  # B int64, contiguous: the addresses (kernels/_launch.py's TABLES)
+    dtype: torch.dtype
+    strides: tuple[int, int]
+    scalars: Tensor  # fp32 [2]: 1 - lr wd, adjusted_lr (apply_scalars)
+    aligned: bool  # every address a multiple of 16 bytes
+
+    @property
+    def mT(self) -> ParamApply:
+        """The same parameters, for the product's transpose (a tall update runs on .mT)."""
+        return self._replace(strides=self.strides[::-1])
+
+
+@triton.jit
+def apply_step(x, u, decay, alpha):
+    """x (1 - lr wd) - adjusted_lr u in fp32, for the apply kernel and ``poly_apply``'s fused
+    epilogue alike: the product with decay rounded, then one fma. Spelled out: with fp fusion
+    on, the compiler may contract ``x * decay - alpha * u`` into either product's fma, and
+    nothing makes it choose alike in two kernels (the fused apply must give the unfused bits)."""
+    return tl.fma(-alpha, u, x * decay)
 
 
 @triton.jit
@@ -141,7 +168,7 @@ def _muon_apply_kernel(
     alpha = tl.load(hyper + 1)
     u = tl.load(p_u, mask=mask).to(tl.float32)
     x = tl.load(p_x, mask=mask).to(tl.float32)
-    x = x * decay - alpha * u
+    x = apply_step(x, u, decay, alpha)
     tl.store(p_x, x.to(X_DTYPE), mask=mask)
 
 

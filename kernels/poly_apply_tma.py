@@ -17,25 +17,8 @@ from torch import Tensor
 
 from ._launch import FP_FUSION, Config, triton_dtype
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
+from .muon import ParamApply, apply_step
 from .normalize import NormScale, inverse_norm, scale_kernel_args
-
-
-class ParamApply(NamedTuple):
-    """Muon's apply fused into ``poly_apply``'s epilogue (``muon.param_apply`` builds it):
-    ``p = p (1 - lr wd) - adjusted_lr u`` on matrix i's parameter, u the product rounded as
-    ``out`` would be. The product's element (r, c) is the parameter's element at
-    ``r strides[0] + c strides[1]``."""
-
-    table: Tensor  # B int64, contiguous: the addresses (kernels/_launch.py's TABLES)
-    dtype: torch.dtype
-    strides: tuple[int, int]
-    scalars: Tensor  # fp32 [2]: 1 - lr wd, adjusted_lr (muon.apply_scalars)
-    aligned: bool  # every address a multiple of 16 bytes
-
-    @property
-    def mT(self) -> ParamApply:
-        """The same parameters, for the product's transpose (a tall update runs on .mT)."""
-        return self._replace(strides=self.strides[::-1])
 
 
 class ApplyArgs(NamedTuple):
@@ -114,7 +97,7 @@ def _epilogue(
         lr = tl.load(hyper + 1)
         u = b_acc.to(U_DTYPE).to(tl.float32)
         x = tl.load(p_p, mask=mask).to(tl.float32)
-        x = x * decay - lr * u  # _muon_apply_kernel's expression: the same contraction
+        x = apply_step(x, u, decay, lr)  # _muon_apply_kernel's: the same bits
         tl.store(p_p, x.to(P_DTYPE), mask=mask)
     else:
         tl.store(p_o, b_acc.to(p_o.dtype.element_ty), mask=mask)
