@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, itemgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, is_, is_not, itemgetter
 
 import torch
 from torch import Tensor
@@ -212,40 +212,57 @@ class StepWork(list):
     not (DTensor parameters, a check that fails)."""
 
     plain = False  # every parameter and gradient a plain tensor (no DTensor): local(t) is t
+    # Every parameter of every group, in group order, has a gradient: the pairs are all the
+    # groups' parameters, and a step with the same parameters may reuse them (``step_work``).
+    complete = False
+    which: tuple | None = None  # the plan key's part naming the pairs (``_plan``), once made
+    state_dicts: tuple[dict, ...] | None = None  # each parameter's state (``_ensure_state``)
     params: tuple[Tensor, ...]
     grads: tuple[Tensor, ...]
     shapes: tuple[torch.Size, ...]
     dtypes: tuple[torch.dtype, ...]
     grad_dtypes: tuple[torch.dtype, ...]
 
-    def read(self, grads: Sequence[Tensor] | None = None) -> StepWork:
-        self.params = tuple(map(_second, self))
+    def read(self, grads: Sequence[Tensor] | None = None, params=None) -> StepWork:
+        self.params = tuple(map(_second, self)) if params is None else params
         self.grads = tuple(map(_grad, self.params) if grads is None else grads)
         self.shapes = tuple(map(_shape, self.params))
         self.dtypes = tuple(map(_dtype, self.params))
         self.grad_dtypes = tuple(map(_dtype, self.grads))
         return self
 
+    def pairs_only(self) -> StepWork:
+        """The pairs and their parameters, for a later step to reuse (``step_work``): none of
+        this step's reads, so that no gradient is kept alive past its step."""
+        kept = StepWork(self)
+        kept.params, kept.complete, kept.which = self.params, self.complete, self.which
+        return kept
 
-def step_work(param_groups: list[dict]) -> tuple[StepWork, torch.device | None]:
+
+def step_work(
+    param_groups: list[dict], last: StepWork | None = None
+) -> tuple[StepWork, torch.device | None]:
     """The (group index, parameter) pairs that have a gradient this step, checked, and the
-    one device they are on (None when no parameter has a gradient)."""
-    work = StepWork()
-    grads: list[Tensor] = []
-    for gi, group in enumerate(param_groups):
-        params = group["params"]
-        mine = list(map(_grad, params))
-        if _NONE_TYPE not in set(map(type, mine)):  # every parameter has a gradient
-            work.extend(zip(repeat(gi), params))
-            grads.extend(mine)
-            continue
-        for p, g in zip(params, mine, strict=True):
-            if g is not None:
-                work.append((gi, p))
-                grads.append(g)
+    one device they are on (None when no parameter has a gradient). ``last``: an earlier
+    step's pairs (``StepWork.pairs_only``), reused when every parameter has a gradient and the
+    groups hold the very same parameters (one C-level pass of ``is``): the pairs are then
+    equal, and the later lookups keyed on them (the plan's, the state's) compare one object
+    instead of thousands."""
+    params = tuple(chain.from_iterable(map(_params_of, param_groups)))
+    grads = tuple(map(_grad, params))
+    if _NONE_TYPE in set(map(type, grads)):  # some parameters have no gradient: leave them
+        has_grad = tuple(map(is_not, grads, repeat(None)))
+        work = StepWork(compress(_pairs(param_groups), has_grad))
+        grads, params = tuple(compress(grads, has_grad)), None
+    elif last is not None and last.complete and _same(params, last.params):
+        work, params = StepWork(last), last.params
+        work.complete, work.which = True, last.which
+    else:
+        work = StepWork(_pairs(param_groups))
+        work.complete = True
     if not work:
-        return work.read(grads), None
-    device = _checked_at_once(work, grads)
+        return work.read(grads, params), None
+    device = _checked_at_once(work, grads, params)
     if device is not None:
         return work, device
     devices = set()
@@ -267,20 +284,30 @@ def step_work(param_groups: list[dict]) -> tuple[StepWork, torch.device | None]:
     return work, devices.pop()
 
 
+def _pairs(param_groups: list[dict]):
+    """(group index, parameter) of every parameter, in group order."""
+    return chain.from_iterable(zip(repeat(gi), g["params"]) for gi, g in enumerate(param_groups))
+
+
+def _same(a: Sequence, b: Sequence) -> bool:
+    """The same objects in the same order (``is``, never a tensor's ``==``)."""
+    return len(a) == len(b) and all(map(is_, a, b))
+
+
 _grad, _dtype, _shape = attrgetter("grad"), attrgetter("dtype"), attrgetter("shape")
-_second = itemgetter(1)
+_second, _params_of = itemgetter(1), itemgetter("params")
 _layout, _device = attrgetter("layout"), attrgetter("device")
 _NONE_TYPE = type(None)
 _PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
 
 
-def _checked_at_once(work: StepWork, grads: list[Tensor]) -> torch.device | None:
+def _checked_at_once(work: StepWork, grads: Sequence[Tensor], params=None) -> torch.device | None:
     """``step_work``'s checks for all parameters at once, each a C-level pass (a per-parameter
     loop of Python costs milliseconds a step on a large model): the one device when every check
     passes, None when one may fail or a parameter or gradient is not a plain tensor (DTensor),
     and then the per-parameter checks run and raise the precise error. What it reads is kept
     in ``work`` (``StepWork.read``)."""
-    work.read(grads)
+    work.read(grads, params)
     params, grads = work.params, work.grads
     if not _PLAIN_TYPES.issuperset(map(type, params)) or not _PLAIN_TYPES.issuperset(
         map(type, grads)

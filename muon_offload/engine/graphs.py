@@ -86,8 +86,10 @@ def step_key(
     if not all(map(Tensor.is_contiguous, grads)):
         return None, "a gradient is not contiguous (the step copies it afresh each time)"
     baked = (backend,) + tuple((h.algorithm, algorithms[h.algorithm].baked(h)) for h in hypers)
-    # Every state tensor, parameter by parameter, key by key: C-level passes, no Python loop.
-    tensors = chain.from_iterable(map(dict.values, map(state.__getitem__, params)))
+    # Every state tensor, parameter by parameter, key by key: C-level passes, no Python loop;
+    # the dicts as the step found them (``_ensure_state``), else looked up.
+    dicts = work.state_dicts or map(state.__getitem__, params)
+    tensors = chain.from_iterable(map(dict.values, dicts))
     key = GraphKey(
         plan=id(layouts),
         params=(tuple(map(Tensor.data_ptr, params)), work.shapes, work.dtypes),

@@ -54,6 +54,31 @@ log = logging.getLogger(__name__)
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
 
+PlanEntry = tuple[Plan, list[Transfer | None], list[ChunkLayout], tuple[bool, ...], StepWork]
+
+
+class PlanCache(dict[tuple, PlanEntry]):
+    """``_plan``'s cache: (plan, transfers, layouts, side, the work planned) by what they
+    depend on, and ``last``: the key and entry the last step used, which the next step
+    compares its key with first (no hashing it). ``clear()`` forgets both."""
+
+    last: tuple[tuple, PlanEntry] | None = None
+
+    def find(self, key: tuple) -> tuple[tuple, PlanEntry] | None:
+        if self.last is None or self.last[0] != key:
+            entry = self.get(key)
+            self.last = None if entry is None else (key, entry)
+        return self.last
+
+    def keep(self, key: tuple, entry: PlanEntry) -> None:
+        self[key] = entry
+        self.last = (key, entry)
+
+    def clear(self) -> None:
+        self.last = None
+        super().clear()
+
+
 class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
@@ -109,9 +134,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self._graph_blocker = None if mesh.group is None else "a distributed_mesh"
         # (plan, transfers, layouts, side, the work planned) by what they depend on (``_plan``);
         # cleared whenever state is created or loaded and when the budgets change.
-        self._plans: dict[
-            tuple, tuple[Plan, list[Transfer | None], list[ChunkLayout], tuple[bool, ...], list]
-        ] = {}
+        self._plans = PlanCache()
         self._store = StateStore()
         self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
@@ -196,18 +219,22 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         work (its parameters, their groups, shapes and dtypes), the groups' algorithms and
         layouts and the budgets stay the same, and while state is neither created nor loaded
         (which clear the cache)."""
+        if work.which is None:  # kept with pairs that a later step reuses (``step_work``)
+            # The plan holds ``work``: an id is not reused meanwhile.
+            work.which = (tuple(map(itemgetter(0), work)), tuple(map(id, work.params)))
         key = (
-            tuple(map(itemgetter(0), work)),  # groups
-            tuple(map(id, work.params)),  # the plan holds ``work``: an id is not reused meanwhile
+            work.which,
             work.shapes,  # read by the step's checks (``StepWork``)
             work.dtypes,
             tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
             self.chunk_bytes,
             self.resident_chunk_bytes,
         )
-        cached = self._plans.get(key)
-        if cached is not None:
-            return cached[:4]
+        found = self._plans.find(key)
+        if found is not None:
+            # The equal tuples of the key found: the graph's key compares them as one object.
+            work.shapes, work.dtypes = found[0][1], found[0][2]
+            return found[1][:4]
         for gi, p in work:
             check_state_fits(gi, p, self.state[p])
         infos = [
@@ -238,7 +265,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             for chunk in plan.chunks
         ]
         side = elementwise_only(plan)
-        self._plans[key] = (plan, transfers, layouts, side, list(work))  # not the step's grads
+        self._plans.keep(key, (plan, transfers, layouts, side, work.pairs_only()))
         return plan, transfers, layouts, side
 
     def _chunk_state(self, chunk, work) -> list[Tensor]:
@@ -248,7 +275,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
 
     def _check_step(self) -> tuple[list[Hyper], StepWork, torch.device | None]:
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
-        work, device = step_work(self.param_groups)
+        last = self._plans.last  # its pairs, reused if the same parameters step again
+        work, device = step_work(self.param_groups, last and last[1][4])
         if device is not None and self.offload and device.type != "cuda":
             if torch.cuda.is_available():
                 raise ValueError(
@@ -278,7 +306,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             return loss
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
-        self._ensure_state(hypers)
+        self._ensure_state(hypers, work)
         plan, transfers, layouts, side = self._plan(work, hypers)
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
