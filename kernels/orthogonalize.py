@@ -40,7 +40,8 @@ from torch import Tensor
 
 from .gram import sym_gram
 from .gram_newton_schulz import GRAM_NS_COEFFS, GRAM_NS_RESETS, gram_newton_schulz, work_dtype
-from .muon import check_apply, muon_apply_from_, param_apply
+from .muon import muon_apply_from_, param_apply
+from .muon_apply import check_apply
 from .normalize import normalize, normalize_reference
 from .poly_apply import ParamApply, poly_apply
 from .sumsq import sum_squares, sum_squares_reference

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ._launch import FP_FUSION, Config, triton_dtype
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
-from .muon import ParamApply, apply_step
+from .muon_apply import ParamApply, apply_step
 from .normalize import NormScale, inverse_norm, scale_kernel_args
 
 
