@@ -12,6 +12,8 @@ from operator import attrgetter, is_, is_not, itemgetter
 import torch
 from torch import Tensor
 
+from .tensor_reads import Sweep
+
 ALGORITHMS = ("muon", "adamw", "lion")
 ADJUST_LR_MODES = ("spectral_norm", "rms_norm", None)
 
@@ -217,6 +219,10 @@ class StepWork(list):
     complete = False
     which: tuple | None = None  # the plan key's part naming the pairs (``_plan``), once made
     state_dicts: tuple[dict, ...] | None = None  # each parameter's state (``_ensure_state``)
+    # The parameters' and gradients' data pointers and whether every gradient is contiguous,
+    # read with the checks when the step computes a graph key (``step_work(pointers=True)``):
+    # nothing between the checks and the key moves a parameter or a gradient.
+    pointers: tuple[tuple[int, ...], tuple[int, ...], bool] | None = None
     params: tuple[Tensor, ...]
     grads: tuple[Tensor, ...]
     shapes: tuple[torch.Size, ...]
@@ -240,14 +246,15 @@ class StepWork(list):
 
 
 def step_work(
-    param_groups: list[dict], last: StepWork | None = None
+    param_groups: list[dict], last: StepWork | None = None, pointers: bool = False
 ) -> tuple[StepWork, torch.device | None]:
     """The (group index, parameter) pairs that have a gradient this step, checked, and the
     one device they are on (None when no parameter has a gradient). ``last``: an earlier
     step's pairs (``StepWork.pairs_only``), reused when every parameter has a gradient and the
     groups hold the very same parameters (one C-level pass of ``is``): the pairs are then
     equal, and the later lookups keyed on them (the plan's, the state's) compare one object
-    instead of thousands."""
+    instead of thousands. ``pointers``: read the graph key's data pointers too
+    (``StepWork.pointers``), with the same tensors still in the CPU's caches."""
     params = tuple(chain.from_iterable(map(_params_of, param_groups)))
     grads = tuple(map(_grad, params))
     if _NONE_TYPE in set(map(type, grads)):  # some parameters have no gradient: leave them
@@ -262,7 +269,7 @@ def step_work(
         work.complete = True
     if not work:
         return work.read(grads, params), None
-    device = _checked_at_once(work, grads, params)
+    device = _checked_at_once(work, grads, params, pointers)
     if device is not None:
         return work, device
     devices = set()
@@ -296,38 +303,40 @@ def _same(a: Sequence, b: Sequence) -> bool:
 
 _grad, _dtype, _shape = attrgetter("grad"), attrgetter("dtype"), attrgetter("shape")
 _second, _params_of = itemgetter(1), itemgetter("params")
-_layout, _device = attrgetter("layout"), attrgetter("device")
 _NONE_TYPE = type(None)
 _PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
 
 
-def _checked_at_once(work: StepWork, grads: Sequence[Tensor], params=None) -> torch.device | None:
-    """``step_work``'s checks for all parameters at once, each a C-level pass (a per-parameter
-    loop of Python costs milliseconds a step on a large model): the one device when every check
+def _checked_at_once(
+    work: StepWork, grads: Sequence[Tensor], params=None, pointers: bool = False
+) -> torch.device | None:
+    """``step_work``'s checks for all parameters at once, C-level passes (a per-parameter loop
+    of Python costs milliseconds a step on a large model): the one device when every check
     passes, None when one may fail or a parameter or gradient is not a plain tensor (DTensor),
     and then the per-parameter checks run and raise the precise error. What it reads is kept
-    in ``work`` (``StepWork.read``)."""
-    work.read(grads, params)
-    params, grads = work.params, work.grads
+    in ``work`` (``StepWork.read``, ``Sweep``)."""
+    params = tuple(map(_second, work)) if params is None else params
+    grads = tuple(grads)
     if not _PLAIN_TYPES.issuperset(map(type, params)) or not _PLAIN_TYPES.issuperset(
         map(type, grads)
     ):
+        work.read(grads, params)
         return None
-    work.plain = True
-    if set(map(_layout, grads)) != {torch.strided}:  # sparse gradients
+    sweep = Sweep(params, grads, pointers)
+    work.params, work.grads, work.plain = params, grads, True
+    work.shapes, work.dtypes, work.grad_dtypes = sweep.shapes, sweep.dtypes, sweep.grad_dtypes
+    work.pointers = sweep.pointers
+    if (
+        sweep.layouts != {torch.strided}  # sparse gradients
+        # Floating (never complex) gradients; parameters of a dtype the kernels serve.
+        or not all(d.is_floating_point for d in set(work.grad_dtypes))
+        or not _PARAM_DTYPE_SET.issuperset(work.dtypes)
+        or not sweep.same_shapes
+        or len(sweep.devices) != 1
+        or not sweep.contiguous
+    ):
         return None
-    # Floating (never complex) gradients; parameters of a dtype the kernels serve.
-    if not all(d.is_floating_point for d in set(work.grad_dtypes)):
-        return None
-    if not _PARAM_DTYPE_SET.issuperset(work.dtypes):
-        return None
-    if tuple(map(_shape, grads)) != work.shapes:
-        return None
-    devices = set(map(_device, params))
-    devices.update(map(_device, grads))
-    if len(devices) != 1 or not all(map(Tensor.is_contiguous, params)):
-        return None
-    return devices.pop()
+    return sweep.devices.pop()
 
 
 def matrix_view_shape(shape: torch.Size, flatten: bool) -> tuple[int, int]:

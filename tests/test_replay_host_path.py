@@ -180,3 +180,14 @@ def test_parameter_reshaped_is_refused_at_replay(monkeypatch):
     with pytest.raises(ValueError, match="changed shape since its state was created"):
         opt_a.step()
     assert torch.equal(a[0], before)
+
+
+def test_sparse_gradient_is_refused_at_replay(monkeypatch):
+    """A replayed step reads the data pointers with the checks: a gradient without storage
+    must still meet the check that names it."""
+    opt_a, a, _, _, _ = _twins(monkeypatch)
+    a[3].grad = a[3].grad.to_sparse()
+    before = a[3].detach().clone()
+    with pytest.raises(TypeError, match="sparse gradients are not supported"):
+        opt_a.step()
+    assert torch.equal(a[3], before)

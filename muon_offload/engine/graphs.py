@@ -83,7 +83,12 @@ def step_key(
     if not isinstance(work, StepWork):
         work = StepWork(work).read()
     params, grads = work.params, work.grads
-    if not all(map(Tensor.is_contiguous, grads)):
+    if work.pointers is not None:  # read with the step's checks
+        param_ptrs, grad_ptrs, contiguous = work.pointers
+    else:
+        contiguous = all(map(Tensor.is_contiguous, grads))
+        param_ptrs, grad_ptrs = tuple(map(_ptr, params)), tuple(map(_ptr, grads))
+    if not contiguous:
         return None, "a gradient is not contiguous (the step copies it afresh each time)"
     baked = (backend,) + tuple((h.algorithm, algorithms[h.algorithm].baked(h)) for h in hypers)
     # Every state tensor, parameter by parameter, key by key: C-level passes, no Python loop;
@@ -92,14 +97,17 @@ def step_key(
     tensors = chain.from_iterable(map(dict.values, dicts))
     key = GraphKey(
         plan=id(layouts),
-        params=(tuple(map(Tensor.data_ptr, params)), work.shapes, work.dtypes),
-        grads=(tuple(map(Tensor.data_ptr, grads)), work.shapes, work.grad_dtypes),
-        state=tuple(map(Tensor.data_ptr, tensors)),
+        params=(param_ptrs, work.shapes, work.dtypes),
+        grads=(grad_ptrs, work.shapes, work.grad_dtypes),
+        state=tuple(map(_ptr, tensors)),
         staging=tuple((t.data_ptr(), t.numel()) for t in staging),
         table=(table.data_ptr(), table.numel()),
         baked=baked,
     )
     return key, ""
+
+
+_ptr = Tensor.data_ptr
 
 
 def changed(a: GraphKey, b: GraphKey) -> str:

@@ -276,7 +276,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
     def _check_step(self) -> tuple[list[Hyper], StepWork, torch.device | None]:
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
         last = self._plans.last  # its pairs, reused if the same parameters step again
-        work, device = step_work(self.param_groups, last and last[1][4])
+        # The graph's key (the last step computed one) reads pointers with the checks.
+        keyed = self._graphs is not None and self._graphs.off is None
+        work, device = step_work(self.param_groups, last and last[1][4], keyed)
         if device is not None and self.offload and device.type != "cuda":
             if torch.cuda.is_available():
                 raise ValueError(
