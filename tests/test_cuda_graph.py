@@ -4,6 +4,7 @@ replay runs the captured step's Python again. What a replay bakes in is checked 
 launch takes a hyper-parameter by value (test_step_scalars.py); replays on a GPU:
 test_gpu_graph.py."""
 
+import gc
 import logging
 
 import pytest
@@ -367,3 +368,83 @@ def test_auto_accepts_what_true_refuses():
     opt = Muon(params[:3], lr=0.02, backend="torch")
     _grads(params[:3], 0)
     assert opt.step(lambda: 2.0) == 2.0 and opt.param_groups[0]["step"] == 1
+
+
+# ------------------------------------------------------------------ a failed capture's aftermath
+
+
+class _FakeCapture:
+    """torch.cuda.graph's stand-in: notes whether the collector ran while it was open."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def __call__(self, graph, stream=None, capture_error_mode=None):
+        return self
+
+    def __enter__(self):
+        self.seen.append(("enter", gc.isenabled()))
+
+    def __exit__(self, *exc):
+        self.seen.append(("exit", gc.isenabled()))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_capture_holds_the_collector_off_and_releases_the_rng_on_failure(monkeypatch, fail):
+    """A dead CUDA graph freed by the collector mid-capture invalidates the capture (the
+    H200 suite, session 9), and an invalidated capture leaves torch's generator stuck: the
+    collector is off inside the capture only, and a failure releases the generator."""
+    seen, released = [], []
+    monkeypatch.setattr(graphs.torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(graphs.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(graphs.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(graphs.torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(graphs.torch.cuda, "graph", _FakeCapture(seen))
+    monkeypatch.setattr(graphs, "release_rng", released.append)
+
+    def body():
+        seen.append(("body", gc.isenabled()))
+        if fail:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    stream = type("Stream", (), {"device": torch.device("cpu")})()
+    assert gc.isenabled()
+    if fail:
+        with pytest.raises(RuntimeError, match="previous error"):
+            graphs._CudaGraph(stream).capture(body)
+    else:
+        graphs._CudaGraph(stream).capture(body)
+    assert seen == [("enter", False), ("body", False), ("exit", False)]
+    assert gc.isenabled() and released == ([stream.device] if fail else [])
+
+
+class _FakeGenerator:
+    def __init__(self):
+        self.states = []
+
+    def clone_state(self):
+        return "copy"
+
+    def graphsafe_set_state(self, state):
+        self.states.append(state)
+
+
+@pytest.mark.parametrize(
+    "error", [None, "Offset increment outside graph capture encountered unexpectedly.", "other"]
+)
+def test_release_rng_resets_only_a_stuck_generator(monkeypatch, error):
+    gen = _FakeGenerator()
+    monkeypatch.setattr(graphs.torch.cuda, "default_generators", (gen,), raising=False)
+
+    def rand(*args, **kwargs):
+        if error is not None:
+            raise RuntimeError(error)
+
+    monkeypatch.setattr(graphs.torch, "rand", rand)
+    if error == "other":  # not the stuck generator's: not ours to swallow
+        with pytest.raises(RuntimeError, match="other"):
+            graphs.release_rng(torch.device("cuda", 0))
+        assert gen.states == []
+        return
+    graphs.release_rng(torch.device("cuda", 0))
+    assert gen.states == ([] if error is None else ["copy"])

@@ -161,3 +161,21 @@ def test_replay_issues_in_a_fraction_of_the_eager_host_time():
         f"replay {times[True] * 1e3:.2f} ms"
     )
     assert times[True] < times[False]
+
+
+def test_invalidated_capture_leaves_the_rng_usable():
+    """A capture invalidated by an operation capture forbids (a device-wide synchronize) fails,
+    and the default CUDA generator, which the capture registered, still draws afterwards (torch
+    2.11 leaves it in capture mode: graphs.release_rng)."""
+    from muon_offload.engine import graphs
+
+    graph = graphs._CudaGraph(torch.cuda.Stream())
+
+    def body():
+        torch.ones(8, device="cuda").add_(1)
+        torch.cuda.synchronize()  # forbidden under capture: the capture is invalidated
+
+    with pytest.raises(Exception):  # noqa: B017 (torch raises a RuntimeError subclass)
+        graph.capture(body)
+    torch.rand(4, device="cuda")
+    torch.randn(4, device="cuda").sum().item()

@@ -34,8 +34,10 @@ the price of ``"auto"``: ``cuda_graph=False`` gives it back).
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
+from functools import partial
 from itertools import chain
 from typing import NamedTuple
 
@@ -171,6 +173,22 @@ def check_device(cuda_graph: bool | str, device: torch.device | None) -> None:
         raise ValueError(f"cuda_graph=True needs parameters on a CUDA device, not {device}")
 
 
+def release_rng(device: torch.device) -> None:
+    """After a failed capture: a capture registers the device's default CUDA generator, and
+    when it ends in an error (an invalidated capture) torch (2.11) leaves the generator in
+    capture mode, so every later random op on the device raises "Offset increment outside
+    graph capture encountered unexpectedly" (the user's dropout too). Probe it (one number
+    drawn); if it is stuck, give it a fresh copy of its state (seed and offset kept)."""
+    try:
+        torch.rand(1, device=device)
+    except RuntimeError as err:
+        if "outside graph capture" not in str(err):
+            raise
+        generator = torch.cuda.default_generators[torch.device(device).index or 0]
+        generator.graphsafe_set_state(generator.clone_state())
+        log.info("cuda_graph: the default CUDA generator was left in capture mode; reset")
+
+
 class _CudaGraph:
     """A torch.cuda.CUDAGraph captured on a given side stream."""
 
@@ -180,14 +198,32 @@ class _CudaGraph:
         self.pool_bytes = 0
 
     def capture(self, body: Callable[[], None]) -> None:
-        torch.cuda.synchronize(self.stream.device)
+        device = self.stream.device
+        torch.cuda.synchronize(device)
+        # No garbage collection inside the capture: a dead CUDA graph (anyone's) that the
+        # collector frees there calls the driver in a way capture forbids, which invalidates
+        # the capture (seen on the H200: "operation not permitted when stream is capturing
+        # (function reset)", then the step's next launch failed). torch 2.11's
+        # torch.cuda.graph no longer collects first: collect here, then hold it off.
+        gc.collect()
         torch.cuda.empty_cache()  # as torch.cuda.graph does: the pool's growth is then ours
-        before = torch.cuda.memory_reserved(self.stream.device)
-        # thread_local: another thread's CUDA calls (a DataLoader pinning memory) do not
-        # invalidate this capture.
-        with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
-            body()
-        self.pool_bytes = torch.cuda.memory_reserved(self.stream.device) - before
+        before = torch.cuda.memory_reserved(device)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            # thread_local: another thread's CUDA calls (a DataLoader pinning memory) do not
+            # invalidate this capture.
+            with torch.cuda.graph(
+                self.graph, stream=self.stream, capture_error_mode="thread_local"
+            ):
+                body()
+        except BaseException:
+            release_rng(device)
+            raise
+        finally:
+            if collecting:
+                gc.enable()
+        self.pool_bytes = torch.cuda.memory_reserved(device) - before
 
     def replay(self) -> None:
         self.graph.replay()
@@ -212,7 +248,9 @@ class StepGraphs:
         self.give_up_level = give_up_level  # INFO for "auto": nobody asked for graphs
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-        self._new_graph = new_graph or (lambda: _CudaGraph(self._stream))
+        # A partial, not a lambda of self: no reference cycle keeps a dropped optimizer's
+        # graph alive until the collector frees it at some later time (maybe mid-capture).
+        self._new_graph = new_graph or partial(_CudaGraph, self._stream)
         self._graph = None
         self._key: GraphKey | None = None
         self._holds: tuple = ()  # what the graph reads by address: layouts, pointer tables
