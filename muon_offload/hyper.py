@@ -261,7 +261,7 @@ def step_work(
         has_grad = tuple(map(is_not, grads, repeat(None)))
         work = StepWork(compress(_pairs(param_groups), has_grad))
         grads, params = tuple(compress(grads, has_grad)), None
-    elif last is not None and last.complete and _same(params, last.params):
+    elif last is not None and last.complete and same_objects(params, last.params):
         work, params = StepWork(last), last.params
         work.complete, work.which = True, last.which
     else:
@@ -296,7 +296,7 @@ def _pairs(param_groups: list[dict]):
     return chain.from_iterable(zip(repeat(gi), g["params"]) for gi, g in enumerate(param_groups))
 
 
-def _same(a: Sequence, b: Sequence) -> bool:
+def same_objects(a: Sequence, b: Sequence) -> bool:
     """The same objects in the same order (``is``, never a tensor's ``==``)."""
     return len(a) == len(b) and all(map(is_, a, b))
 

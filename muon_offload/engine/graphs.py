@@ -51,7 +51,6 @@ from ..kernels._launch import TABLES
 log = logging.getLogger(__name__)
 
 MAX_MISSES = 4  # steps in a row that could not replay before graphs are given up
-_GIVE_UP_LEVEL = {False: logging.WARNING, True: logging.INFO}  # by: is the mode "auto"
 
 
 class GraphKey(NamedTuple):
@@ -368,8 +367,9 @@ class GraphMixin:
             body()
             return
         if self._graphs is None or self._graphs.device != sched.device:
-            auto = self.cuda_graph == "auto"
-            self._graphs = StepGraphs(sched.device, give_up_level=_GIVE_UP_LEVEL[auto])
+            # Nobody asked for graphs with "auto": giving them up is no warning's worth.
+            level = logging.INFO if self.cuda_graph == "auto" else logging.WARNING
+            self._graphs = StepGraphs(sched.device, give_up_level=level)
         if self._graphs.off is not None:  # given up: no key to compute
             self._graphs.step(None, self._graphs.off, layouts, body)
             return

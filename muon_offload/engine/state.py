@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import is_
 
 import torch
 from torch import Tensor
 
 from ..distributed import DTensor, dtensor_around, local
-from ..hyper import Hyper, StepWork, matrix_count
+from ..hyper import Hyper, StepWork, matrix_count, same_objects
 from .host_slabs import HostSlabs
 from .planner import plan_step, unit_params
 from .sharded_scales import check_placements
@@ -51,18 +50,13 @@ class StateIndex:
         if (
             seen is None
             or seen[0] is not state
-            or not (params is seen[3] or _same(params, seen[3]))
-            or not _same(state, seen[1])
-            or not _same(state.values(), seen[2])
+            or not (params is seen[3] or same_objects(params, seen[3]))
+            or not same_objects(state, seen[1])
+            or not same_objects(state.values(), seen[2])
         ):
             self._dicts = tuple(map(state.get, params))
             self._seen = (state, tuple(state), tuple(state.values()), params)
         return self._dicts
-
-
-def _same(a, b: tuple) -> bool:
-    """The same objects in the same order (``is``, never a tensor's ``==``)."""
-    return len(a) == len(b) and all(map(is_, a, b))
 
 
 class StateStore:
