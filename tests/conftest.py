@@ -18,12 +18,33 @@ if not _has_cuda_gpu():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Tests of the tools around the optimizers (bench scripts, the CLI, the docs' snippets, the
+# package layout): what they check does not change with the torch or Triton version, so CI runs
+# them under one stack only (.ci/run: -m "not tooling" elsewhere).
+TOOLING = (
+    "test_bench_",
+    "test_docs",
+    "test_fsdp2_transformers_bench",
+    "test_layout",
+    "test_multi_gpu_bench",
+    "test_resident_vs_dion_script",
+    "test_tools_cli",
+    "test_train_compare",
+    "test_transformers_bench",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "tooling: tests of the bench scripts, CLI, docs, layout")
+
 
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
+        if item.path.name.startswith(TOOLING):
+            item.add_marker(pytest.mark.tooling)
 
 
 @pytest.fixture

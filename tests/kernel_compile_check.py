@@ -17,6 +17,7 @@ import importlib
 import multiprocessing
 import os
 import pkgutil
+import re
 import sys
 import time
 import traceback
@@ -235,14 +236,31 @@ _VARIANTS: list[tuple] = []
 TILE_CONSTEXPRS = ("BLOCK", "BLOCK_M", "BLOCK_N", "BLOCK_K", "CHUNK", "LOG2_BLOCK")
 
 
+def _tile_cost(variant) -> int:
+    """How much a variant's tiles cost to compile: the product of its tile sizes and stages."""
+    _, _, constexprs, options = variant
+    cost = options.get("num_stages", 1) * options.get("num_warps", 1)
+    for name in TILE_CONSTEXPRS:
+        if isinstance(constexprs.get(name), int):
+            cost *= constexprs[name]
+    return cost
+
+
+def _path_type(value: str) -> str:
+    """A signature type without what the tile sets: a TMA descriptor's block shape."""
+    return re.sub(r"\[[0-9, ]*\]", "[]", value) if value.startswith("tensordesc") else value
+
+
 def _covering(variants) -> list[tuple]:
-    """A subset that compiles every code path once and every tile config once per kernel."""
+    """A subset that compiles every code path once and every tile config once per kernel,
+    each path with the cheapest tile that reaches it (ptxas time grows with the tile)."""
     chosen, paths, tiles = [], set(), set()
-    for variant in variants:
+    for variant in sorted(variants, key=_tile_cost):
         fn, signature, constexprs, options = variant
         tile = tuple((k, v) for k, v in constexprs.items() if k in TILE_CONSTEXPRS)
         path = tuple((k, _freeze(v)) for k, v in constexprs.items() if k not in TILE_CONSTEXPRS)
-        by_path = (fn.__name__, tuple(signature.items()), path)
+        types = tuple((k, _path_type(v)) for k, v in signature.items())
+        by_path = (fn.__name__, types, path)
         by_tile = (fn.__name__, tile, tuple(sorted(options.items())))
         if by_path not in paths or by_tile not in tiles:
             chosen.append(variant)
@@ -289,8 +307,14 @@ def main() -> int:
     global _VARIANTS
     _VARIANTS = variants
     workers = max(1, min(4, os.cpu_count() or 1))
+    print(f"compiling on {workers} processes (minutes on a cold Triton cache)", flush=True)
+    errors, step = [], max(1, len(variants) // 10)
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        errors = pool.map(_compile, range(len(variants)))
+        for error in pool.imap_unordered(_compile, range(len(variants))):
+            errors.append(error)
+            if len(errors) % step == 0 or len(errors) == len(variants):
+                elapsed = time.perf_counter() - started
+                print(f"  {len(errors)}/{len(variants)} compiled, {elapsed:.0f} s", flush=True)
     failed = [e for e in errors if e]
     for error in failed[:5]:
         print(error)
