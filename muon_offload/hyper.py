@@ -178,6 +178,33 @@ def check_grad(param: Tensor, group_index: int) -> None:
         )
 
 
+def listed_params(params) -> list:
+    """A group's ``params`` as ``torch.optim.Optimizer.add_param_group`` lists them (one
+    tensor, or any iterable read once; a set is left for torch to refuse: its order is not
+    fixed)."""
+    if isinstance(params, Tensor):
+        return [params]
+    return params if isinstance(params, set) else list(params)
+
+
+def check_unique_params(params: Sequence, param_groups: Sequence[dict], group_index: int):
+    """A parameter listed twice would be stepped twice a step: refuse it in one group (torch
+    only warns) and across groups (as torch does). ``(name, tensor)`` pairs are torch's named
+    parameters."""
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    owner = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
+    seen = set()
+    for p in tensors:
+        if id(p) in seen:
+            raise ValueError(f"{_where(group_index, p)} is listed twice in the group")
+        if id(p) in owner:
+            raise ValueError(
+                f"{_where(group_index, p)} is also in {_where(owner[id(p)])}: some parameters "
+                "appear in more than one parameter group"
+            )
+        seen.add(id(p))
+
+
 # The kernels compute in fp32 and store in these; fp64 would be rounded through fp32 every step.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PARAM_DTYPE_SET = frozenset(PARAM_DTYPES)

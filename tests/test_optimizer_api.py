@@ -3,6 +3,7 @@ skipped parameters, and errors raised before anything is touched."""
 
 import io
 import re
+import warnings
 
 import pytest
 import torch
@@ -325,3 +326,45 @@ def test_empty_parameters_get_state_once(offload):
     assert all(opt.state[p] for p in params)
     assert set(opt.state[params[2]]) == {"momentum", "variance"}
     assert len(opt._plans) == 1  # state is not re-created (and plans not dropped) every step
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: [dict(params=[ps[0], ps[1], ps[0]])],
+        lambda ps: [dict(params=iter([ps[0], ps[0]]))],  # read once: a generator
+        lambda ps: [dict(params=ps[:2]), dict(params=ps[1:3])],
+        lambda ps: [
+            dict(params=ps[:1]),
+            dict(params=ps[4:5], algorithm="adamw"),
+            dict(params=ps[4]),
+        ],
+    ],
+    ids=["one_group", "generator", "two_groups", "bare_tensor_group"],
+)
+def test_duplicate_parameter_refused_at_construction(make, offload):
+    """A parameter listed twice would be stepped twice a step (torch only warns for one group)."""
+    params = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused with our error, not torch's warning first
+        with pytest.raises(ValueError, match=r"param group \d \(parameter of shape .*\) is"):
+            Muon(make(params), offload=offload)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("twice_in", ["new_group", "old_group"])
+def test_add_param_group_refuses_duplicates_before_anything_is_touched(twice_in, offload):
+    params = _model(10)
+    opt = Muon(_groups(params), offload=offload, chunk_bytes=3000)
+    _set_grads(params, 0)
+    opt.step()
+    before = _snapshot(opt, params)
+    extra = torch.nn.Parameter(torch.randn(6))
+    group = [extra, extra] if twice_in == "new_group" else [extra, params[5]]
+    with pytest.raises(ValueError, match=r"param group 3 \(parameter of shape \(\d+,\)\) is"):
+        opt.add_param_group(dict(params=group, algorithm="adamw"))
+    assert len(opt.param_groups) == 3 and extra not in opt.state
+    _assert_same(_snapshot(opt, params), before)
+    _set_grads(params, 1)
+    opt.step()  # still steps as before

@@ -33,7 +33,15 @@ from ..distributed import (
     placement_of,
     resolve_mesh,
 )
-from ..hyper import Hyper, StepWork, check_param_dtypes, check_state_fits, step_work
+from ..hyper import (
+    Hyper,
+    StepWork,
+    check_param_dtypes,
+    check_state_fits,
+    check_unique_params,
+    listed_params,
+    step_work,
+)
 from ..rank_agreement import StepAgreements
 from . import graphs
 from .algorithm import Algorithm
@@ -153,6 +161,10 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         # beside the group, not in it: a group dict goes into state_dict(), a mesh must not.
         param_group = dict(param_group)
         group_mesh = param_group.pop("distributed_mesh", None)
+        if "params" in param_group:  # a group without them: torch raises its own error
+            param_group["params"] = listed_params(param_group["params"])
+            index = len(self.param_groups)
+            check_unique_params(param_group["params"], self.param_groups, index)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         try:
