@@ -6,9 +6,9 @@
 
 Why interleaved: on the H200 the resident step was bimodal on 2026-11-29, about 0.155 s in
 most steps and about 0.25 s in spells of a second or two that hit every optimizer stepping
-then (bench/distributed_ws1.py rounds 2-3); a block of 7 consecutive steps can fall entirely
-inside one. On 2026-11-30 this script found both steps bound by launches (the host returns
-from ``step()`` 8 to 9 ms before the card is done) and its one slow step slow on the host.
+then; a block of 7 consecutive steps can fall entirely inside one. On 2026-11-30 this script
+found both steps bound by launches (the host returns from ``step()`` 8 to 9 ms before the card
+is done) and its one slow step slow on the host.
 Here the optimizers step the same parameters and gradients one after the other, in an order
 that rotates by round; the figure is the median over rounds of ours / dion's in the same
 round. ``--chunk-mib`` steps ours at several chunk sizes (in a resident step the chunk size
