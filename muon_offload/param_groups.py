@@ -51,9 +51,13 @@ def muon_param_groups(
 
     A plain torch model has no ``get_output_embeddings()``: its output head is an
     ``nn.Linear`` like any hidden layer and goes to Muon unless named in ``adamw_params``.
+    A wrapped model (``DistributedDataParallel``, ``DataParallel``, FSDP1, ``torch.compile``)
+    is split as the model inside it.
 
     Overrides: ``muon_params`` and ``adamw_params`` are name patterns matched against
-    ``model.named_parameters()`` names (a tied weight under any of its names): strings are
+    ``model.named_parameters()`` names (a tied weight under any of its names; a wrapped
+    model's parameters also under the inner model's names, ``lm_head.weight`` as well as
+    ``module.lm_head.weight``): strings are
     shell-style patterns (``fnmatch``: ``"lm_head.weight"``, ``"*.mlp.gate.weight"``), compiled
     ``re.Pattern`` objects are searched. A matched parameter goes to that group whatever the
     automatic split said. Raises ``ValueError`` if a pattern matches no parameter (trainable
@@ -106,17 +110,23 @@ def muon_param_groups(
 
 
 def _parameter_names_and_kinds(model: nn.Module):
-    """Every parameter (once, in ``named_parameters`` order) with all the names it has, and
-    the kind of the modules that hold it ("embedding" wins over "conv")."""
+    """Every parameter (once, in ``named_parameters`` order) with all the names it has (the
+    model's, then those of the models its wrappers hold), and the kind of the modules that
+    hold it ("embedding" wins over "conv")."""
     names: dict[nn.Parameter, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(param, []).append(name)
+    levels = _unwrapped(model)
+    for level in levels:
+        for name, param in level.named_parameters(remove_duplicate=False):
+            known = names.setdefault(param, [])
+            if name not in known:
+                known.append(name)
 
     embedding_modules = {id(m) for m in model.modules() if isinstance(m, EMBEDDING_TYPES)}
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        module = _call_getter(model, getter)
-        if isinstance(module, nn.Module):
-            embedding_modules.add(id(module))
+    for level in levels:  # a wrapper has no getters: the model inside it does
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            module = _call_getter(level, getter)
+            if isinstance(module, nn.Module):
+                embedding_modules.update(map(id, _unwrapped(module)))
 
     kind: dict[nn.Parameter, str] = {}
     for module in model.modules():
@@ -130,6 +140,23 @@ def _parameter_names_and_kinds(model: nn.Module):
             if kind.get(param) != "embedding":
                 kind[param] = this
     return names, kind
+
+
+def _unwrapped(model: nn.Module) -> list[nn.Module]:
+    """``model`` and the models inside its wrappers, outermost first: ``torch.compile``'s
+    (``_orig_mod``), and ``.module`` (DistributedDataParallel, DataParallel, FSDP1) where the
+    wrapper holds the very parameters of the module inside and none of its own."""
+    chain = [model]
+    while True:
+        outer = chain[-1]
+        inner = getattr(outer, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(outer, "module", None)
+        if not isinstance(inner, nn.Module) or any(inner is m for m in chain):
+            return chain
+        if {id(p) for p in outer.parameters()} != {id(p) for p in inner.parameters()}:
+            return chain
+        chain.append(inner)
 
 
 def _call_getter(model: nn.Module, getter: str):

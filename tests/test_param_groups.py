@@ -4,6 +4,7 @@ parameter in exactly one group, each where Muon users put it, and the groups acc
 ``Muon``."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -255,3 +256,89 @@ def test_hyperparameters_reach_the_optimizer():
     opt = Muon(defaults, lr=0.5, weight_decay=0.25, betas=(0.1, 0.2), epsilon=0.3)
     got = [opt.param_groups[2][k] for k in ("lr", "beta1", "beta2", "weight_decay", "epsilon")]
     assert got == [0.5, 0.1, 0.2, 0.25, 0.3]
+
+
+@pytest.fixture
+def gloo_world():
+    """A one-process gloo group, as DistributedDataParallel needs one."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed, and no process group already made")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Wrapper(nn.Module):
+    """A wrapper in FSDP1's manner: the model as ``.module``, nothing of its own."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.wrapped = module
+
+    @property
+    def module(self):
+        return self.wrapped
+
+    def forward(self, *args, **kwargs):
+        return self.wrapped(*args, **kwargs)
+
+
+def _wrapped_groups_match_the_model(model, wrapped, prefix):
+    """The wrapped model's groups are the model's, and its names (the wrapped ones, and the
+    model's own) still move parameters by pattern."""
+    head = model.lm_head.weight
+    expected = muon_param_groups(model)
+    groups = muon_param_groups(wrapped)
+    assert [(g["algorithm"], _ids(g["params"])) for g in groups] == [
+        (g["algorithm"], _ids(g["params"])) for g in expected
+    ]
+    assert id(head) in _ids(_by_algorithm(groups)["adamw"])
+    for name in (f"{prefix}lm_head.weight", "lm_head.weight"):
+        moved = muon_param_groups(wrapped, muon_params=[name])
+        assert id(head) in _ids(_by_algorithm(moved)["muon"]), name
+    with pytest.raises(ValueError, match=re.escape(f"'{prefix}model.norm.weight' of shape")):
+        muon_param_groups(wrapped, muon_params=["model.norm.weight"])
+
+
+def _fsdp1(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with warnings.catch_warnings():  # one process: FSDP1 says it will not shard
+        warnings.simplefilter("ignore", UserWarning)
+        return FullyShardedDataParallel(model, use_orig_params=True, device_id="cpu")
+
+
+@pytest.mark.parametrize(
+    "wrap,prefix",
+    [(nn.parallel.DistributedDataParallel, "module."), (_fsdp1, "_fsdp_wrapped_module.")],
+    ids=["ddp", "fsdp1"],
+)
+def test_distributed_wrapper_keeps_the_head_in_adamw(gloo_world, wrap, prefix):
+    model = _dense("llama", tie=False)
+    wrapped = wrap(model)
+    _wrapped_groups_match_the_model(model, wrapped, prefix)
+    _one_step_changes_every_parameter(wrapped, muon_param_groups(wrapped), _lm_batch(101))
+
+
+def test_module_wrapper_and_compiled_model_keep_their_head_in_adamw():
+    model = _dense("llama", tie=False)
+    _wrapped_groups_match_the_model(model, _Wrapper(model), "wrapped.")
+    try:
+        compiled = torch.compile(model)
+    except Exception as err:  # noqa: BLE001 - whatever keeps torch.compile from working here
+        pytest.skip(f"torch.compile unavailable: {err}")
+    _wrapped_groups_match_the_model(model, compiled, "_orig_mod.")
+    _wrapped_groups_match_the_model(model, _Wrapper(compiled), "wrapped._orig_mod.")
+
+
+def test_wrapper_with_parameters_of_its_own_is_not_unwrapped():
+    """A module that holds a model as ``.module`` beside a parameter of its own is a model in
+    its own right: its ``.module``'s head is a hidden layer of it."""
+    model = _dense("llama", tie=False)
+    outer = _Wrapper(model)
+    outer.extra = nn.Linear(8, 8)
+    split = _by_algorithm(muon_param_groups(outer))
+    assert id(model.lm_head.weight) in _ids(split["muon"])
