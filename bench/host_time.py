@@ -30,7 +30,7 @@ issues (each one a kernel launch or a view on a GPU), and a cProfile breakdown b
 scaled to the unprofiled wall time, with the time spent inside torch calls apart from the
 Python around them. Host-only figures: nothing here is a GPU measurement.
 
-``--gpu`` (on a GPU; issue 17's targets) times the real step instead, eager and with
+``--gpu`` (on a GPU) times the real step instead, eager and with
 ``cuda_graph=True``, on the demo model and the full-size qwen3 workload (``--scale`` 1 unless
 given), resident and offloaded: the host time to issue a step (``step()`` returning), the
 step's GPU time (CUDA events around it, the GPU held by a sleep kernel while the host issues,

@@ -62,14 +62,23 @@ class _NoGraph:
         pass
 
 
+class _NoGraphSteps(graphs.StepGraphs):
+    """``StepGraphs`` whose graphs are ``_NoGraph``s, whatever the device."""
+
+    def __init__(self, device, new_graph=None, **kwargs):
+        super().__init__(device, _NoGraph, **kwargs)
+
+
 @contextlib.contextmanager
 def replayed(opt):
     """``opt`` (Triton backend, kernels stubbed) as with ``cuda_graph=True``, its graph a
-    ``_NoGraph``: the CPU stands in for the GPU (the device check is the one thing bypassed)."""
-    saved = graphs.check_device
+    ``_NoGraph``: the CPU stands in for the GPU (the device check is the one thing bypassed).
+    ``opt`` must not have stepped with graphs yet: the graphs it makes in the block are
+    ``_NoGraphSteps``."""
+    saved = graphs.check_device, graphs.StepGraphs
     graphs.check_device = lambda cuda_graph, device: None
+    graphs.StepGraphs = _NoGraphSteps
     opt.cuda_graph = True
-    opt._graphs = graphs.StepGraphs(torch.device("cpu"), _NoGraph)
     try:
         with stubbed_kernels():
             yield
@@ -77,4 +86,4 @@ def replayed(opt):
         if stats["off"] or not stats["replays"]:
             raise RuntimeError(f"the timed steps did not replay: {stats}")
     finally:
-        graphs.check_device = saved
+        graphs.check_device, graphs.StepGraphs = saved

@@ -5,8 +5,8 @@
 Bandwidth counts the fewest bytes each kernel must move (every input read once, every output
 written once) over the median time (CUDA events, ``triton.testing.do_bench``) on fresh random
 data. Each figure is also given as a ratio to the device-to-device copy bandwidth measured in
-the same run. Also: pointer table against a flat buffer (same math), torch's ``_fused_adamw_``,
-the eager prep dion runs, and Polar Express on the batched cuBLAS product.
+the same run, with the config the tuner chose. Also: torch's ``_fused_adamw_``, the eager prep
+dion runs, and Polar Express on the batched cuBLAS product.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import time
 
 import torch
 import triton
-import triton.language as tl
 import triton.testing
-from muon_offload.kernels import _launch
-from muon_offload.kernels.elementwise import _adamw_tile, adamw_
+from muon_offload.kernels import tuning
+from muon_offload.kernels.elementwise import adamw_
 from muon_offload.kernels.muon import muon_apply_, muon_prep
 from muon_offload.kernels.orthogonalize import orthogonalize
 
@@ -40,22 +39,10 @@ def rand(shape, dtype=torch.float32, positive=False):
     return (x.abs_().add_(1e-3) if positive else x).to(dtype)
 
 
-@triton.jit
-def _adamw_flat_kernel(
-    p, g, m, v, n, w1, beta2, omb2, eps, decay, step_size, bc2_sqrt, BLOCK: tl.constexpr
-):
-    # The flat-buffer alternative to the pointer table: one segment passed as kernel
-    # arguments (Triton knows their alignment), same tile math.
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    _adamw_tile(p, g, m, v, offs, offs < n, w1, beta2, omb2, eps, decay, step_size, bc2_sqrt)
-
-
-def adamw_flat(p, g, m, v, block, warps, step=1):
-    n = p.numel()
-    scalars = (0.1, 0.95, 0.05, 1e-8, 1 - 1e-4, 1e-3 / (1 - 0.9**step), (1 - 0.95**step) ** 0.5)
-    _adamw_flat_kernel[(triton.cdiv(n, block),)](
-        p, g, m, v, n, *scalars, BLOCK=block, num_warps=warps
-    )
+def chosen(kernel: str) -> str | None:
+    """The config label the tuner's last choice for ``kernel`` gave, if any."""
+    choice = tuning.last_choice(kernel)
+    return choice[0] if choice else None
 
 
 def bench_copy(add):
@@ -74,13 +61,8 @@ def bench_adamw(add, rows, state_mib):
         "adamw_ fp32, 1 segment (pointer table)",
         ms_of(lambda: adamw_([p], [g], [m], [v], **ADAMW, step=3)),
         28 * n,
-        config=_launch.TUNER.last.get("adamw", {}).get("config"),
+        config=chosen("adamw"),
     )
-    best = None
-    for block, warps in ((1024, 4), (2048, 8), (4096, 8), (8192, 16)):
-        ms = ms_of(lambda b=block, w=warps: adamw_flat(p, g, m, v, b, w))
-        best = min(best or (ms, block, warps), (ms, block, warps))
-    add(f"flat-buffer kernel fp32 (best: block {best[1]}, {best[2]} warps)", best[0], 28 * n)
     try:
         steps = [torch.tensor(3.0, device=dev)]
         fused = lambda: torch._fused_adamw_(
@@ -120,31 +102,17 @@ def bench_adamw(add, rows, state_mib):
         add(f"adamw_ fp32, {len(sizes)} segments, CUDA graph replay", ms_of(graph.replay), 28 * n)
     except Exception as exc:  # noqa: BLE001
         print(f"  graph capture failed: {exc!r}")
-    # Host cost of one call: table cache hit, and miss (table built and sent).
+    # Host cost of one call (its pointer table cached after the first).
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(50):
         adamw_(*segs, **ADAMW, step=3)
-    host_hit = (time.perf_counter() - t0) / 50 * 1e6
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        _launch.TABLES.clear()
-        adamw_(*segs, **ADAMW, step=3)
-    host_miss = (time.perf_counter() - t0) / 10 * 1e6
+    host_us = (time.perf_counter() - t0) / 50 * 1e6
     torch.cuda.synchronize()
     rows.append(
-        {
-            "name": "adamw_ host time per call",
-            "segments": len(sizes),
-            "us_table_cached": host_hit,
-            "us_table_built": host_miss,
-        }
+        {"name": "adamw_ host time per call", "segments": len(sizes), "us_table_cached": host_us}
     )
-    print(
-        f"  adamw_ host time per call, {len(sizes)} segments: {host_hit:.0f} us (table cached),"
-        f" {host_miss:.0f} us (table built)"
-    )
+    print(f"  adamw_ host time per call, {len(sizes)} segments: {host_us:.0f} us")
 
 
 def bench_adamw_bf16(add, state_mib):
@@ -175,7 +143,7 @@ def bench_muon(add, rows, batch, shape):
         f"muon_prep {batch} x {shape[0]}x{shape[1]} ({state})",
         ms_of(lambda: muon_prep(mom, grads, mu=0.95, nesterov=True, out=out, sumsq=sumsq)),
         nbytes,
-        config=_launch.TUNER.last.get("muon_prep", {}).get("config"),
+        config=chosen("muon_prep"),
     )
 
     def eager():  # dion's muon_update_pre_orthogonalize body, run eagerly

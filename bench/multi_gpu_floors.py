@@ -6,7 +6,7 @@ from __future__ import annotations
 from muon_offload.tools.bench.report import add_ratios
 from muon_offload.tools.bench.timing import GIB, STATE_DTYPES, floor_s
 
-TARGET_TO_FLOOR = 1.2  # issue 8: the offloaded step at most 1.2 x the per-rank floor
+TARGET_TO_FLOOR = 1.2  # the target: the offloaded step at most 1.2 x the per-rank floor
 
 
 def rank_floor(per_rank_bytes: list[float], per_rank_bw: list[dict] | None) -> dict:

@@ -12,7 +12,7 @@ vs ``poly_apply``; X in the stored layout, so a ``.mT`` view for the tall ones),
 and ``auto``, what ``orthogonalize`` runs). Times are medians of ``triton.testing.do_bench``
 (CUDA events, after tuning and warm-up); TFLOP/s count the full products (2 m^2 n, 2 m^3,
 2 m^2 n; 5 (4 m^2 n + 2 m^3) per Polar Express) for every path, so they compare directly as
-speed. The tuner's timings of every ``poly_apply`` config go into the JSON. Accuracy:
+speed. The config the tuner chose for each Triton product goes into the JSON. Accuracy:
 relative RMS difference between the paths, and of each against float64.
 
 ``--section methods`` times whole orthogonalizations instead, on the workloads' shapes (qwen3
@@ -35,8 +35,8 @@ import platform
 import torch
 import triton
 import triton.testing
-from muon_offload.kernels import _launch
 from muon_offload.kernels import orthogonalize as ortho_module
+from muon_offload.kernels import tuning
 from muon_offload.kernels.gram import sym_gram
 from muon_offload.kernels.gram_newton_schulz import GRAM_NS_COEFFS
 from muon_offload.kernels.orthogonalize import (
@@ -84,6 +84,12 @@ def batch_of(batch, rows, cols, transposed):
     return torch.randn(batch, rows, cols, device="cuda").to(torch.bfloat16)
 
 
+def chosen(kernel: str) -> str | None:
+    """The config label the tuner's last choice for ``kernel`` gave, if any."""
+    choice = tuning.last_choice(kernel)
+    return choice[0] if choice else None
+
+
 def bench_shape(label, batch, m, n, transposed, add, rows_out, rounds) -> None:
     u = batch_of(batch, m, n, transposed)
     x = (u.float() / u.float().norm(dim=(1, 2), keepdim=True)).to(torch.bfloat16)
@@ -95,7 +101,7 @@ def bench_shape(label, batch, m, n, transposed, add, rows_out, rounds) -> None:
     flop_pe = 5 * batch * (4 * m * m * n + 2 * m**3)
 
     sym_gram(x, out=out)  # tunes, compiles
-    cfg_gram = _launch.TUNER.last.get("sym_gram", {}).get("config")
+    cfg_gram = chosen("sym_gram")
     add(label, "X X^T", "cublas", ms_of(lambda: torch.bmm(x, x.mT, out=out)), flop_gram)
     add(
         label,
@@ -106,7 +112,7 @@ def bench_shape(label, batch, m, n, transposed, add, rows_out, rounds) -> None:
         config=cfg_gram,
     )
     sym_gram(gram, alpha=c, y=gram, beta=b, out=out)
-    cfg_poly = _launch.TUNER.last.get("sym_gram", {}).get("config")
+    cfg_poly = chosen("sym_gram")
     add(
         label,
         "bA + cAA",
@@ -126,7 +132,7 @@ def bench_shape(label, batch, m, n, transposed, add, rows_out, rounds) -> None:
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     y_cub = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)
     y_tri = poly_apply(poly, x, alpha=a)  # tunes, compiles
-    tuned = _launch.TUNER.last.get("poly_apply", {})
+    cfg_apply = chosen("poly_apply")
     add(
         label,
         "aX + BX",
@@ -140,12 +146,8 @@ def bench_shape(label, batch, m, n, transposed, add, rows_out, rounds) -> None:
         "triton",
         ms_of(lambda: poly_apply(poly, x, alpha=a, out=y)),
         flop_gram,
-        config=tuned.get("config"),
-        all_ms=tuned.get("all_ms"),
+        config=cfg_apply,
     )
-    if tuned.get("all_ms"):
-        best = sorted(tuned["all_ms"].items(), key=lambda t: t[1])[:3]
-        print(f"{'':<38} poly_apply tuned: " + ", ".join(f"{c} {t:.3f}" for c, t in best))
     k = min(batch, 4)
     y64 = a * x[:k].double() + poly[:k].double() @ x[:k].double()
     res = {path: orthogonalize_on(u, products=path) for path in (*PRODUCTS, "auto")}

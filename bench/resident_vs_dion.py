@@ -1,5 +1,5 @@
-"""Our resident Muon step against dion's, interleaved: the criterion of issue 3 (ours at most
-0.6 x dion on ``qwen3-30b-a3b-ep8-rank``) measured so that a slow spell hits both.
+"""Our resident Muon step against dion's, interleaved: ours over dion's on
+``qwen3-30b-a3b-ep8-rank`` (the target: at most 0.6), measured so that a slow spell hits both.
 
     python bench/resident_vs_dion.py --dion-path DIR --out resident_vs_dion.json [--layers 48]
     python bench/resident_vs_dion.py --dion-path DIR --out rvd.json --chunk-mib 128 512 2048

@@ -1,6 +1,7 @@
-"""Issue 13's training comparison (issue 17 adds Gram Newton-Schulz): does 8-bit optimizer state
-train as well as fp32? A byte-level GPT (bench/train_compare_model.py) on the Python standard
-library's own source, trained once per mode with the same seed and the same data order:
+"""The training comparison: does 8-bit optimizer state train as well as fp32 (and Gram
+Newton-Schulz as well as Polar Express)? A byte-level GPT (bench/train_compare_model.py) on the
+Python standard library's own source, trained once per mode with the same seed and the same data
+order:
 
     muon_fp32, muon_bf16, muon_int8, muon_gram_fp32   Muon for the matrices, AdamW for the rest
     adamw_fp32, adamw_bf16, adamw_int8                muon_offload.AdamW for everything
@@ -14,7 +15,7 @@ not landed) is recorded as skipped with the error; the others still run.
 Writes ``train_compare.json`` into ``--out`` after every mode (a run cut short keeps what
 finished), then ``train_compare.png`` (smoothed loss curves: Muon runs, AdamW runs) and prints
 a table: each mode's final loss (mean of the last ``--final-window`` training losses) and its
-ratio to the fp32 mode of the same optimizer (issue 13's target: 8-bit within 1% of fp32).
+ratio to the fp32 mode of the same optimizer (the target: 8-bit within 1% of fp32).
 
 The defaults are sized for one H200: a 54.7 M-parameter model (dim 640, 11 layers, untied
 head) at 24 x 512 tokens a step is 6 * 54.7e6 * 12288 = 4.0 TFLOP. Measured (2026-12-01):

@@ -51,7 +51,7 @@ MODES = {
         Mode("adamw_int8", "adamw", torch.int8),
     )
 }
-# Run order: what issue 13 asks for first, so a run cut short still answers it.
+# Run order: 8-bit against fp32 state first, so a run cut short still answers that.
 DEFAULT_MODES = (
     "muon_fp32",
     "muon_int8",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-TARGET = 0.01  # issue 13: 8-bit state's final loss within 1% of fp32's
+TARGET = 0.01  # 8-bit state's final loss within 1% of fp32's
 # Overlapping curves stay visible: the state format sets the line style.
 STYLES = {"torch.float32": "-", "torch.bfloat16": "--", "torch.int8": ":"}
 PANELS = (("muon", "Muon (matrices) + AdamW (embeddings, head, norms)"), ("adamw", "AdamW only"))
