@@ -51,6 +51,24 @@ def test_top_level_help(capsys):
     assert all(f"  {c} " in out for c in ("demo", "bench", "tune")) and "``" not in out
 
 
+@pytest.mark.parametrize("args", [["--help"], ["nonsense"]])
+def test_the_command_answers_before_importing_torch(args):
+    # As the installed ``muon-offload`` script runs it: the module imported, then main().
+    code = (
+        "import sys\n"
+        "from muon_offload.tools.cli import main\n"
+        f"code = main({args!r})\n"
+        "heavy = ('torch', 'triton', 'numpy')\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
+        "print(code, heavy[:5])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == f"{0 if args == ['--help'] else 2} []", proc.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
