@@ -2,6 +2,7 @@
 unchunked step bitwise (same kernels), whatever the chunk size and resident budget."""
 
 import itertools
+from collections import defaultdict
 
 import pytest
 import torch
@@ -294,3 +295,82 @@ def test_interleaved_muon_and_elementwise_chunks_equal_resident_bitwise(resident
                 starts += [s.start for s in unit.segments if s.param == 7]
     assert len(starts) > 1 and starts != sorted(starts), starts
     assert_bitwise(offloaded, run())
+
+
+def _reset(opt, params, how):
+    if how == "all":
+        opt.state = defaultdict(dict)
+    else:  # one Muon matrix and one AdamW vector
+        del opt.state[params[2]], opt.state[params[7]]
+
+
+@pytest.mark.parametrize("how", ["all", "some"])
+@pytest.mark.parametrize("resident_bytes", [0, 4 * 24 * 40])
+def test_dropped_state_space_is_reused(how, resident_bytes):
+    """State dropped (``del opt.state[p]``, a new ``opt.state``) and made afresh at the next
+    step: host memory stays as it was, the same parameters stay resident, and the steps stay
+    those of resident state dropped the same way."""
+    init = _init(torch.float32)
+    runs = []
+    for kwargs in (dict(offload=True, chunk_bytes=3000, resident_bytes=resident_bytes), {}):
+        params, opt = _run(init, steps=1, **kwargs)
+        held, streamed = opt.host_state_bytes, set(opt._streamed)
+        for s in range(4):
+            _reset(opt, params, how)
+            gen = torch.Generator().manual_seed(400 + s)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            assert opt.host_state_bytes == held
+            assert opt._streamed == streamed
+        runs.append((params, opt))
+    assert runs[0][1].host_state_bytes > 0
+    assert_bitwise(*runs)
+
+
+def test_state_still_held_elsewhere_is_not_overwritten():
+    """A dropped parameter's state tensors that something still holds keep their values: their
+    bytes are reused only once nothing holds them."""
+    params, opt = _run(_init(torch.float32), steps=2, offload=True, chunk_bytes=3000)
+    held = dict(opt.state[params[0]])
+    kept = {k: v.clone() for k, v in held.items()}
+    before = opt.host_state_bytes
+    del opt.state[params[0]]
+    params[0].grad = torch.randn(params[0].shape)
+    opt.step()
+    for k, v in held.items():
+        assert torch.equal(v, kept[k])
+        assert v.data_ptr() != opt.state[params[0]][k].data_ptr()
+    assert opt.host_state_bytes > before
+    del held, v
+    for _ in range(3):  # back into the first range; the slab made meanwhile is given back
+        del opt.state[params[0]]
+        opt.step()
+        assert opt.host_state_bytes == before
+
+
+def test_host_slabs_reuse_freed_ranges_in_order():
+    from muon_offload.engine.host_slabs import HostSlabs
+
+    slabs = HostSlabs(pin=False, slab_bytes=1 << 16)
+    specs = [(torch.Size((100,)), torch.float32), (torch.Size((7, 3)), torch.bfloat16)] * 3
+    first = slabs.allocate(specs)
+    for t in first:
+        t.fill_(3)
+    kept = first[:2]
+    del first, t
+    again = slabs.allocate(specs[2:])  # into the freed range, in order, zeroed
+    assert slabs.nbytes == len(slabs.slabs[0]) and len(slabs.slabs) == 1
+    assert all(not t.any() for t in again) and all(bool((t == 3).all()) for t in kept)
+    starts = [t.data_ptr() for t in again]
+    assert starts == sorted(starts) and starts[0] > kept[1].data_ptr()
+    del again
+    bigger = slabs.allocate([(torch.Size((20000,)), torch.float32)])  # fits in no free range
+    assert len(slabs.slabs) == 2
+    assert slabs.slab_of(bigger[0]) is slabs.slabs[1]
+    assert slabs.slab_of(kept[0]) is slabs.slabs[0]
+    del kept, bigger
+    small = slabs.allocate([(torch.Size((4,)), torch.float32)])
+    # Into the first slab, now free; the second, holding nothing either, is given back.
+    assert len(slabs.slabs) == 1 and slabs.slab_of(small[0]) is slabs.slabs[0]
+    assert small[0].data_ptr() == slabs.slabs[0].data_ptr()

@@ -8,19 +8,26 @@ save together (torch refuses two dtypes viewing one storage). The scheduler copi
 runs of the slabs (``slab_of``), so neighbours still move as one copy.
 
 Pinning is slow (about 2 GB/s on the H200 host, docs/benchmarks.md) and must never happen on the
-hot path, so slabs are allocated when state is first created and reused forever after;
+hot path, so slabs are allocated when state is first created and reused after;
 ``load_state_dict`` writes into them. Tensors are placed in the order they are asked for,
 which is the planner's order, so the state of one chunk is mostly one contiguous range and
 loads as one copy.
+
+State that is dropped (``del opt.state[p]``, a new ``opt.state``) leaves its bytes behind: once
+nothing holds a tensor's storage any more (a weak reference to it has expired), the next
+``allocate`` reuses its range, and gives back a slab that then holds nothing. Bytes still held
+elsewhere (a state dict kept by the caller) are never reused.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from operator import itemgetter
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 log = logging.getLogger(__name__)
 
@@ -34,37 +41,84 @@ def align_up(n: int, align: int = ALIGN_BYTES) -> int:
 
 
 class HostSlabs:
-    """Append-only host memory: ``allocate`` returns zeroed views into large slabs."""
+    """Host memory for streamed state: ``allocate`` returns zeroed views into large slabs,
+    into the ranges of tensors that are gone first."""
 
     def __init__(self, pin: bool, slab_bytes: int = DEFAULT_SLAB_BYTES):
         self.pin = pin
         self.slab_bytes = slab_bytes
         self.slabs: list[Tensor] = []  # uint8 buffers
         self._starts: list[tuple[int, int]] = []  # (address, index into slabs), sorted
+        # For each slab, the tensors placed in it: (byte offset, bytes, their storage, weakly).
+        self._placed: list[list[tuple[int, int, StorageWeakRef]]] = []
 
     @property
     def nbytes(self) -> int:
         return sum(s.numel() for s in self.slabs)
 
     def allocate(self, specs: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
-        """Zeroed tensors of the given shapes and dtypes, as views into new slabs."""
+        """Zeroed tensors of the given shapes and dtypes, as views into the slabs: each into
+        the free range the one before it went to while it fits there, else into the first
+        free range it fits in, else into new slabs."""
         sizes = [align_up(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs]
-        # Lay the tensors out in order, opening a new slab when the next one does not fit.
-        layout: list[tuple[int, int]] = []  # (slab number among the new ones, byte offset)
-        slab_sizes: list[int] = []
+        free = self._free_ranges()
+        places: list[tuple[int, int] | None] = []  # (slab index, byte offset); None: new slab
+        at = None  # the free range being filled
         for size in sizes:
+            if at is None or free[at][2] - free[at][1] < size:
+                at = next((i for i, (_, lo, hi) in enumerate(free) if hi - lo >= size), None)
+            if at is None:
+                places.append(None)
+                continue
+            slab, lo, hi = free[at]
+            places.append((slab, lo))
+            free[at] = (slab, lo + size, hi)
+        # Lay the rest out in order, opening a new slab when the next one does not fit.
+        slab_sizes: list[int] = []
+        for i, size in enumerate(sizes):
+            if places[i] is not None:
+                continue
             if not slab_sizes or slab_sizes[-1] + size > self.slab_bytes:
                 slab_sizes.append(0)
-            layout.append((len(slab_sizes) - 1, slab_sizes[-1]))
+            places[i] = (len(self.slabs) + len(slab_sizes) - 1, slab_sizes[-1])
             slab_sizes[-1] += size
-        new = [self._new_slab(n) for n in slab_sizes]
-        for slab in new:
-            bisect.insort(self._starts, (slab.data_ptr(), len(self.slabs)))
+        reused = len(self.slabs)
+        for slab in [self._new_slab(n) for n in slab_sizes]:
             self.slabs.append(slab)
-        return [
-            _own_storage(new[slab], offset, shape, dtype)
-            for (slab, offset), (shape, dtype) in zip(layout, specs, strict=True)
-        ]
+            self._placed.append([])
+        tensors = []
+        for (slab, offset), size, (shape, dtype) in zip(places, sizes, specs, strict=True):
+            t = _own_storage(self.slabs[slab], offset, shape, dtype)
+            if size:
+                if slab < reused:  # new slabs come zeroed
+                    self.slabs[slab][offset : offset + size].zero_()
+                self._placed[slab].append((offset, size, StorageWeakRef(t.untyped_storage())))
+            tensors.append(t)
+        self._give_back_empty()
+        self._starts = sorted((slab.data_ptr(), i) for i, slab in enumerate(self.slabs))
+        return tensors
+
+    def _free_ranges(self) -> list[tuple[int, int, int]]:
+        """(slab index, first byte, end) of every range no live tensor holds, in address order
+        within each slab; forgets the tensors that are gone."""
+        free = []
+        for i, (slab, placed) in enumerate(zip(self.slabs, self._placed, strict=True)):
+            placed[:] = sorted((e for e in placed if not e[2].expired()), key=itemgetter(0))
+            cursor = 0
+            for offset, size, _ in placed:
+                if offset > cursor:
+                    free.append((i, cursor, offset))
+                cursor = max(cursor, offset + size)
+            if cursor < slab.numel():
+                free.append((i, cursor, slab.numel()))
+        return free
+
+    def _give_back_empty(self) -> None:
+        """Drop the slabs that hold no live tensor (their memory is freed once nothing else,
+        such as an old plan's copies, holds it)."""
+        keep = [i for i, placed in enumerate(self._placed) if placed]
+        self.slabs = [self.slabs[i] for i in keep]
+        self._placed = [self._placed[i] for i in keep]
 
     def slab_of(self, t: Tensor) -> Tensor:
         """The slab (uint8) holding ``t``."""

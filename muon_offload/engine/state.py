@@ -67,7 +67,18 @@ class StateStore:
         self.host: HostSlabs | None = None
         self.streamed: set[Tensor] = set()  # parameters whose state lives in host memory
         self.resident_used = 0  # bytes of offload-mode state kept resident (resident_bytes)
+        self.resident: dict[Tensor, int] = {}  # those bytes by parameter
         self.formats: dict[Tensor, object] = {}  # parameter -> its state's format
+
+    def forget(self, params) -> None:
+        """The state of ``params`` was dropped (``del opt.state[p]``, a new ``opt.state``): it
+        is created afresh, resident or streamed as the budget says then, and its old host
+        bytes are reused once nothing holds them (``HostSlabs.allocate``)."""
+        for p in params:
+            self.streamed.discard(p)
+            self.formats.pop(p, None)
+            self.resident_used -= self.resident.pop(p, 0)
+        self.index = StateIndex()  # it holds the dropped dicts, so their tensors, alive
 
     def create(self, state: dict, new: list[NewState]) -> None:
         """Fill ``state[p]`` for each entry, in the given order."""
@@ -190,6 +201,10 @@ class StateMixin:
         if not missing:
             return
         store, infos = self._store, []
+        dropped = [p for _, p in missing if p in store.formats]
+        if dropped:
+            store.forget(dropped)
+            self._synchronize()  # no write-back still lands in bytes that may be reused
         for i, (gi, p) in enumerate(missing):
             nbytes = self._plan_bytes(p, hypers[gi])
             resident = not self.offload or (
@@ -198,6 +213,7 @@ class StateMixin:
             )
             if resident and self.offload:
                 store.resident_used += nbytes
+                store.resident[p] = nbytes
             infos.append(self._param_info(i, gi, p, hypers[gi], resident))
         plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
         order = [i for unit in plan.units() for i in unit_params(unit)]
