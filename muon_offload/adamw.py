@@ -95,9 +95,12 @@ class AdamW(ChunkedOptimizer):
         out = super().state_dict()
         steps = {i: g["step"] for g in out["param_groups"] for i in g["params"]}
         # torch.optim.AdamW reads the step per parameter (a float32 tensor). New dicts: the
-        # inner ones of super().state_dict() are our live state.
+        # inner ones of super().state_dict() are our live state. Keys that name no parameter
+        # (a hook's own) are carried as they are.
         out["state"] = {
             i: {**values, "step": torch.tensor(float(steps[i]), dtype=torch.float32)}
+            if i in steps
+            else values
             for i, values in out["state"].items()
         }
         return out

@@ -259,3 +259,53 @@ def test_copied_optimizer_steps_like_the_original(how, kw):
     for a, b in zip(params, params2, strict=True):
         assert torch.equal(a, b)
     assert opt2.offload == opt.offload and opt2.chunk_bytes == opt.chunk_bytes
+
+
+def _extra(opt):
+    """A state-dict pre-hook's entry that names no parameter (torch carries such keys)."""
+    opt.state["extra"] = {"note": torch.tensor([1.0, 2.0]), "count": 3}
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("make", ["ours", "torch"])
+def test_non_parameter_state_keys_are_carried_as_torch_carries_them(make, offload):
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ref = _adamw_params()
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **kw)
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt = AdamW(ours, offload=offload, **kw)
+    for o, ps in ((ref_opt, ref), (opt, ours)):
+        o.register_state_dict_pre_hook(_extra)
+        _steps(ps, o, 0, 2)
+    saved = {"ours": opt, "torch": ref_opt}[make].state_dict()
+    assert saved["state"].keys() == ref_opt.state_dict()["state"].keys()
+    assert saved["state"]["extra"]["count"] == 3
+    for o in (
+        AdamW([torch.nn.Parameter(p.detach().clone()) for p in ref], offload=offload, **kw),
+        torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ref], **kw),
+    ):
+        o.load_state_dict(copy.deepcopy(saved))
+        assert o.state["extra"]["count"] == 3
+        assert torch.equal(o.state["extra"]["note"], torch.tensor([1.0, 2.0]))
+        if isinstance(o, AdamW):
+            assert copy.deepcopy(o).state["extra"]["count"] == 3
+            o.load_state_dict(o.state_dict())  # its own live tensors, the entry's too
+    # Every step of ours still follows torch's.
+    _steps(ref, ref_opt, 2, 2)
+    _steps(ours, opt, 2, 2)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_non_parameter_state_keys_in_muon():
+    params = _model()
+    opt = _muon(params, offload=True)
+    _steps(params, opt, 0, 1)
+    opt.register_state_dict_pre_hook(_extra)
+    saved = opt.state_dict()
+    opt2 = _muon([torch.nn.Parameter(p.detach().clone()) for p in params], offload=True)
+    opt2.load_state_dict(saved)
+    assert opt2.state["extra"]["count"] == 3
+    _steps(params, opt2, 1, 1)
+    with pytest.raises(ValueError, match="names parameter 9, which no group lists"):
+        opt2.load_state_dict({**saved, "state": {**saved["state"], 9: {}}})

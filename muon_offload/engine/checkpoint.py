@@ -37,9 +37,15 @@ def check_structure(state_dict) -> tuple[list[dict], Mapping]:
         if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
             raise ValueError(f"loaded param group {i} is not a dict with a 'params' list")
     for key, values in state.items():
-        if not isinstance(values, Mapping):
+        if isinstance(key, int) and not isinstance(values, Mapping):
             raise ValueError(f"loaded state of parameter {key!r} is not a dict")
     return list(groups), state
+
+
+def carried(saved_state: Mapping) -> dict:
+    """The entries that name no parameter (a parameter's key is its int index): a hook's own,
+    which torch's optimizers carry through ``state_dict`` and ``load_state_dict`` as they are."""
+    return {key: value for key, value in saved_state.items() if not isinstance(key, int)}
 
 
 def check_groups(param_groups: list[dict], saved_groups: list[dict]) -> list[dict]:
@@ -89,6 +95,8 @@ def check_state(
     }
     loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]] = {}
     for saved_id, values in saved_state.items():
+        if not isinstance(saved_id, int):  # no parameter's (``carried``)
+            continue
         if saved_id not in owner:
             raise ValueError(f"loaded state names parameter {saved_id!r}, which no group lists")
         gi, p = owner[saved_id]
@@ -145,6 +153,7 @@ def detach_aliases(loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]], state: d
     live = {
         local(t).untyped_storage().data_ptr()
         for values in state.values()
+        if isinstance(values, Mapping)
         for t in values.values()
         if isinstance(t, Tensor)
     }
@@ -234,6 +243,9 @@ class CheckpointMixin:
             group.clear()
             group.update(new)
         copy_state(self, loaded)
+        for key in [k for k in self.state if not isinstance(k, Tensor)]:
+            del self.state[key]  # as torch's load: the loaded dict's own entries replace them
+        self.state.update(carried(saved_state))
         self._plans.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -277,3 +289,4 @@ class CheckpointMixin:
         if loaded:
             self._ensure_state(hypers)
             copy_state(self, loaded)
+        self.state.update({k: v for k, v in values.items() if not isinstance(k, Tensor)})
