@@ -309,3 +309,19 @@ def test_non_parameter_state_keys_in_muon():
     _steps(params, opt2, 1, 1)
     with pytest.raises(ValueError, match="names parameter 9, which no group lists"):
         opt2.load_state_dict({**saved, "state": {**saved["state"], 9: {}}})
+
+
+@pytest.mark.parametrize("how", list(_roundtrips()))
+@pytest.mark.parametrize(
+    "make", [lambda ps: AdamW(ps[3:]), lambda ps: _muon(ps)], ids=["adamw", "muon"]
+)
+def test_copy_gains_no_attributes(how, make):
+    """A copy has what the original has: AdamW's algorithms stay its class's, Muon's (which
+    hold its orthogonalizer) its own."""
+    params = _model()
+    opt = make(params)
+    _steps(params, opt, 0, 1)
+    copied = _roundtrips()[how]((params, opt))[1]
+    assert set(vars(copied)) <= set(vars(opt))
+    assert ("algorithms" in vars(copied)) == ("algorithms" in vars(opt))
+    assert copied.algorithms.keys() == opt.algorithms.keys()

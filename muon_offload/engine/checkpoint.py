@@ -268,7 +268,10 @@ class CheckpointMixin:
             self.backend,
             self.cuda_graph,
         )
-        return {**super().__getstate__(), "algorithms": self.algorithms, "_settings": settings}
+        state = {**super().__getstate__(), "_settings": settings}
+        if "algorithms" in vars(self):  # Muon's own (its orthogonalizer); AdamW's are its class's
+            state["algorithms"] = self.algorithms
+        return state
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
