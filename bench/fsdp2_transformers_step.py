@@ -1,4 +1,4 @@
-"""Issue 13's FSDP2 iteration: a transformers Qwen3-MoE of ~1.3 B parameters under FSDP2 with
+"""The FSDP2 iteration: a transformers Qwen3-MoE of ~1.3 B parameters under FSDP2 with
 bf16 mixed precision and gradient clipping, whole training iterations with each optimizer: ours
 resident, ours offloaded with fp32 and with 8-bit state, dion's resident ``Muon``.
 

@@ -1,4 +1,4 @@
-"""Issue 8's multi-GPU bench: a Qwen3-30B-A3B-like model sharded over every rank, the optimizer
+"""The multi-GPU bench: a Qwen3-30B-A3B-like model sharded over every rank, the optimizer
 step of ours (offloaded with fp32, bf16 and 8-bit state, resident with fp32 and 8-bit state)
 against dion's resident ``Muon`` and the all-at-once offload baseline; step time and peak
 memory are the worst rank's.
