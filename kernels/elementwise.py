@@ -18,8 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import (
@@ -39,6 +37,7 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
+from ._triton import tl, triton
 
 # Candidates timed by the tuner (block elements per tile, chunk elements per program).
 # 256 MiB of fp32 AdamW state is 32 Mi elements: a 16 Ki chunk gives 2048 programs, about

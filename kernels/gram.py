@@ -22,12 +22,11 @@ order (K steps of ``chunk``, fp32).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
 from ._tma import tma_enabled, tma_layout
+from ._triton import tl, triton
 from .gram_tma import _epilogue, _launch_tma, _lower_tile
 from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
 

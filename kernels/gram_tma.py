@@ -8,11 +8,9 @@ also folds in the normalization's scale, ``HAS_SCALE``).
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from ._launch import FP_FUSION, Config
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
+from ._triton import tl, triton
 from .normalize import NormScale, inverse_norm, scale_kernel_args
 
 

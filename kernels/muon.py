@@ -17,8 +17,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import (
@@ -36,6 +34,7 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
+from ._triton import tl, triton
 from .muon_apply import ParamApply, apply_step, check_apply
 from .sumsq import LOG2_SUMSQ_BLOCK, SUMSQ_BLOCK, SUMSQ_CHUNK, groups_for, sum_partials, tree_sum
 

@@ -11,11 +11,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import check_lists, check_scalars
+from ._triton import tl, triton
 
 
 class ParamApply(NamedTuple):

@@ -21,8 +21,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import (
@@ -35,6 +33,7 @@ from ._launch import (
     interpreted,
     scalar_arg,
 )
+from ._triton import tl, triton
 from .sumsq import flat_matrices
 
 NORMALIZE_CONFIGS = (

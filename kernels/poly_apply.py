@@ -20,8 +20,6 @@ share), their configs candidates of one tuning key.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import (
@@ -35,6 +33,7 @@ from ._launch import (
     tuning_batch,
 )
 from ._tma import tma_enabled, tma_layout
+from ._triton import tl, triton
 from .gram import MAX_GRID_Y, _scratch, _scratch_scale
 from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
 from .poly_apply_tma import ApplyArgs, ParamApply, _epilogue, _launch_tma, apply_kernel_args

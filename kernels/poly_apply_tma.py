@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import FP_FUSION, Config, triton_dtype
 from ._tma import persistent_grid, tensor_descriptor, tma_layout
+from ._triton import tl, triton
 from .muon_apply import ParamApply, apply_step
 from .normalize import NormScale, inverse_norm, scale_kernel_args
 

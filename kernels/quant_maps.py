@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
+
+from ._triton import tl, triton
 
 QBLOCK = 256
 

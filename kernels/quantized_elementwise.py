@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import (
@@ -31,6 +29,7 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
+from ._triton import tl, triton
 from .elementwise import _lerp, _typed, adamw_scalars, lion_scalars
 from .quant_maps import (
     _INV127,

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import (
@@ -25,6 +23,7 @@ from ._launch import (
     scratch_like,
     triton_dtype,
 )
+from ._triton import tl, triton
 from .elementwise import _typed
 from .muon import prep_outputs
 from .quant_maps import (

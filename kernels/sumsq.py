@@ -21,11 +21,10 @@ Squares are accumulated without fused multiply-adds (``enable_fp_fusion=False``)
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from ._launch import interpreted
+from ._triton import tl, triton
 
 SUMSQ_BLOCK = 2048
 SUMSQ_CHUNK = 32768

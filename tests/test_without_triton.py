@@ -1,0 +1,83 @@
+"""Without Triton (it ships for Linux only), the package imports and its CPU path runs: the
+same bits as with Triton installed, where the CPU runs the same torch references. Launching
+a kernel then raises an error that names what is missing."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import muon_offload
+
+ROOT = Path(__file__).resolve().parents[1]
+# Makes ``import triton`` raise ModuleNotFoundError, as where it is not installed.
+NO_TRITON = "import sys; sys.modules['triton'] = None\n"
+
+
+def train(steps: int = 2) -> dict[str, torch.Tensor]:
+    """A few steps of Muon (fp32 and 8-bit state, offloaded) and AdamW on the CPU."""
+    out = {}
+    for name, make in (
+        ("muon_fp32", lambda g: muon_offload.Muon(g, lr=0.02, offload=True)),
+        ("muon_int8", lambda g: muon_offload.Muon(g, lr=0.02, state_dtype=torch.int8)),
+        ("adamw", lambda g: muon_offload.AdamW([p for d in g for p in d["params"]], lr=1e-2)),
+    ):
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn(40, 24, generator=gen))
+        bias = torch.nn.Parameter(torch.randn(300, generator=gen))
+        opt = make([dict(params=[weight]), dict(params=[bias], algorithm="adamw")])
+        for _ in range(steps):
+            weight.grad = torch.randn(weight.shape, generator=gen)
+            bias.grad = torch.randn(bias.shape, generator=gen)
+            opt.step()
+        out[f"{name}.weight"], out[f"{name}.bias"] = weight.detach(), bias.detach()
+    return out
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "tests"))))
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a machine with GPUs
+    return subprocess.run(
+        [sys.executable, "-c", NO_TRITON + code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_the_cpu_path_runs_without_triton(tmp_path):
+    path = tmp_path / "params.pt"
+    code = (
+        "import torch, test_without_triton as t\n"
+        "from muon_offload.kernels import _triton\n"
+        "assert not _triton.AVAILABLE\n"
+        f"torch.save(t.train(), {str(path)!r})\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(path)
+    want = train()
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_a_kernel_launch_without_triton_says_what_is_missing():
+    code = (
+        "import torch\n"
+        "from muon_offload.kernels.elementwise import adamw_\n"
+        "p, g, m, v = (torch.zeros(8) for _ in range(4))\n"
+        "try:\n"
+        "    adamw_([p], [g], [m], [v], lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,\n"
+        "           weight_decay=0.0, step=1)\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Triton is not installed" in proc.stdout and "backend='torch'" in proc.stdout
