@@ -9,7 +9,7 @@ import torch
 
 from .elementwise import AdamWUpdate
 from .engine import ChunkedOptimizer
-from .hyper import Hyper, read_torch_adamw_hyper
+from .hyper import Hyper, read_torch_adamw_hyper, torch_betas
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class AdamW(ChunkedOptimizer):
     ):
         defaults = dict(
             lr=lr,
-            betas=betas,
+            betas=torch_betas(betas),
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,

@@ -35,7 +35,11 @@ class Hyper:
     split_sizes: tuple[int, ...] | None = None
 
 
-def _where(group_index: int, param: Tensor | None = None) -> str:
+def _where(group_index: int | None, param: Tensor | None = None) -> str:
+    """Where a bad value is: a param group (a parameter of it), or the constructor's arguments
+    (``None``: the defaults, checked before any group is made)."""
+    if group_index is None:
+        return "constructor"
     if param is None:
         return f"param group {group_index}"
     return f"param group {group_index} (parameter of shape {tuple(param.shape)})"
@@ -46,8 +50,9 @@ def _number(group: dict, key: str, group_index: int) -> float:
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.device.type != "cpu":
             # Reading a device tensor would sync the host with the GPU on every step.
-            raise TypeError(
-                f"{_where(group_index)}: {key} must be a number or a one-element CPU tensor"
+            raise ValueError(
+                f"{_where(group_index)}: {key} must be a number or a one-element CPU tensor, "
+                f"got a tensor of shape {tuple(value.shape)} on {value.device}"
             )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -64,6 +69,22 @@ def _beta(value, name: str, group_index: int) -> float:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{_where(group_index)}: {name} must be in [0, 1), got {value}")
     return float(value)
+
+
+def torch_betas(betas) -> tuple[float, float]:
+    """torch's AdamW takes ``betas`` as two numbers or two one-element tensors, which it keeps
+    as numbers: so does ours, refusing what torch refuses with a ValueError."""
+    if isinstance(betas, Tensor) and betas.ndim == 1:
+        betas = tuple(betas)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    tensors = [isinstance(b, Tensor) for b in betas]
+    if any(tensors) and not all(tensors):
+        raise ValueError(f"betas must be both numbers or both tensors, got {betas!r}")
+    for i, b in enumerate(betas):
+        if isinstance(b, Tensor) and b.numel() != 1:
+            raise ValueError(f"betas[{i}] as a tensor must have one element, got {b!r}")
+    return tuple(b.item() if isinstance(b, Tensor) else b for b in betas)
 
 
 def check_beta(value, name: str) -> float:

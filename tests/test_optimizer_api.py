@@ -368,3 +368,73 @@ def test_add_param_group_refuses_duplicates_before_anything_is_touched(twice_in,
     _assert_same(_snapshot(opt, params), before)
     _set_grads(params, 1)
     opt.step()  # still steps as before
+
+
+T = torch.tensor
+# AdamW arguments, torch's AdamW's error for each (None: it accepts them).
+HYPER_CASES = {
+    "lr_negative": dict(lr=-1.0),
+    "lr_nan": dict(lr=float("nan")),
+    "lr_two_element_tensor": dict(lr=T([1e-3, 1e-3])),
+    "lr_list": dict(lr=[1e-3, 1e-3]),
+    "lr_string": dict(lr="0.1"),
+    "eps_negative": dict(eps=-1.0),
+    "weight_decay_negative": dict(weight_decay=-0.1),
+    "weight_decay_list": dict(weight_decay=[0.1, 0.1]),
+    "beta_one": dict(betas=(1.0, 0.9)),
+    "beta_negative": dict(betas=(0.9, -0.5)),
+    "betas_tensor_and_float": dict(betas=(T(0.9), 0.99)),
+    "betas_two_element_tensors": dict(betas=(T([0.9, 0.9]), T([0.9, 0.9]))),
+    "betas_tensors": dict(betas=(T(0.9), T(0.99))),
+    "betas_one_tensor": dict(betas=T([0.9, 0.99])),
+    "lr_tensor": dict(lr=T(1e-3)),
+}
+
+
+def _error(make):
+    try:
+        make()
+    except Exception as err:  # noqa: BLE001 - which error is what is compared
+        return err
+    return None
+
+
+@pytest.mark.parametrize("name", list(HYPER_CASES))
+def test_constructor_checks_hyperparameters_as_torch_adamw_does(name):
+    """torch's AdamW checks its arguments before it reads ``params``: a ValueError of torch's
+    is a ValueError here, raised before ``params`` is read; what torch accepts works here."""
+    kwargs = HYPER_CASES[name]
+    theirs = _error(lambda: torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], **kwargs))
+    if theirs is None:
+        p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+        ref, opt = torch.optim.AdamW([p], **kwargs), AdamW([q], **kwargs)
+        for o, x in ((ref, p), (opt, q)):
+            x.grad = torch.full((3,), 0.5)
+            o.step()
+        torch.testing.assert_close(q, p)
+        return
+
+    def unread():
+        raise AssertionError("params read before the hyper-parameters were checked")
+        yield
+
+    ours = _error(lambda: AdamW(unread(), **kwargs))
+    if isinstance(theirs, ValueError):
+        assert isinstance(ours, ValueError), ours
+    elif isinstance(theirs, TypeError):  # torch's own: a comparison with a non-number
+        assert isinstance(ours, (TypeError, ValueError)) and "params read" not in str(ours), ours
+    assert _error(lambda: AdamW([], **kwargs)).args == ours.args  # not the empty list's error
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(lr=-1.0), dict(mu=-0.5), dict(weight_decay=T([0.1, 0.1])), dict(epsilon=-1.0)],
+    ids=["lr", "mu", "weight_decay", "epsilon"],
+)
+def test_muon_checks_hyperparameters_before_params(kwargs):
+    def unread():
+        raise AssertionError("params read before the hyper-parameters were checked")
+        yield
+
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Muon(unread(), **kwargs)

@@ -118,6 +118,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         )
         mesh = resolve_mesh(distributed_mesh)
         graphs.check_settings(settings, mesh.group)
+        # As torch's optimizers: the hyper-parameters are checked before params is read.
+        self._read_hyper(dict(defaults, params=[]), None)
         self._setup(settings, mesh)
         self._constructed = False
         super().__init__(params, defaults)
