@@ -37,4 +37,6 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_HOMES})
 
 
+# The one place for the version: setuptools reads it as a literal (pyproject.toml), so it stays
+# a plain string.
 __version__ = "0.1.0"

@@ -27,6 +27,7 @@ TOOLING = (
     "test_fsdp2_transformers_bench",
     "test_layout",
     "test_multi_gpu_bench",
+    "test_packaging",
     "test_resident_vs_dion_script",
     "test_tools_cli",
     "test_train_compare",
