@@ -1,13 +1,16 @@
 """The Python blocks of docs/usage.md run as written (on the CPU here): a block that starts
 with a ``# torchrun`` line runs under torchrun with two gloo processes, a block that starts
 with ``# (continues`` is a fragment of the one before and is left out, a block that imports
-dion or transformers runs only where that package is installed."""
+dion or transformers runs only where that package is installed. And the docs' links hold:
+every relative link (and the README's into this repository) reaches a file and a heading, and
+every file under docs/figures is shown by some doc."""
 
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,54 @@ def test_usage_block_runs(code, tmp_path):
             cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path
         )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# Links between the docs: relative ones, and the README's into this repository on GitHub.
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+REPO_URL = "https://github.com/muon-offload/muon-offload/blob/main/"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _outside_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _anchors(text: str) -> Iterator[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but - and _
+    dropped, spaces as dashes, a repeat numbered."""
+    seen: dict[str, int] = {}
+    for title in re.findall(r"^#+ +(.+?) *$", _outside_code(text), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def _doc_links():
+    for doc in DOCS:
+        for target in LINK.findall(_outside_code(doc.read_text())):
+            if target.startswith(REPO_URL):
+                yield doc, ROOT, target[len(REPO_URL) :]
+            elif not re.match(r"^[a-z]+:", target):
+                yield doc, doc.parent, target
+
+
+def test_links_between_the_docs_resolve():
+    broken = []
+    for doc, base, target in _doc_links():
+        path, _, anchor = target.partition("#")
+        page = (base / path) if path else doc
+        if not page.exists():
+            broken.append(f"{doc.name}: {target} (no such file)")
+        elif anchor and page.suffix == ".md" and anchor not in set(_anchors(page.read_text())):
+            broken.append(f"{doc.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_every_figure_is_shown_by_a_doc():
+    cited = {
+        (base / target.partition("#")[0]).resolve()
+        for _, base, target in _doc_links()
+        if "figures/" in target
+    }
+    figures = {p.resolve() for p in (ROOT / "docs" / "figures").iterdir()}
+    assert sorted(p.name for p in figures - cited) == []
