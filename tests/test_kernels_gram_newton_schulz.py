@@ -1,6 +1,6 @@
 """Gram Newton-Schulz (``method="gram_newton_schulz"``) against a float64 re-derivation, and
 against the ``gram-newton-schulz`` package's torch path where it is installed (an optional
-test dependency: ``pip install --no-deps gram-newton-schulz==0.1.6``). Both are judged
+test dependency: ``pip install -e ".[peers]"``). Both are judged
 against float64: the package's fp16 rounding is not the reference."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_symmetric_products_are_symmetric_bit_for_bit():
 
 @pytest.fixture
 def package():
-    return pytest.importorskip("gram_newton_schulz", reason="needs gram-newton-schulz").__dict__
+    return pytest.importorskip("gram_newton_schulz", reason='pip install -e ".[peers]"').__dict__
 
 
 @pytest.mark.parametrize("shape", [(2, 40, 70), (2, 40, 24), (2, 24, 96)], ids=str)
