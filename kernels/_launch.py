@@ -18,6 +18,12 @@ caller's tensors: an in-place update therefore lands exactly once whatever the t
 Results go to a JSON file per GPU name and Triton version (``MUON_OFFLOAD_CACHE_DIR``, else
 ``~/.cache/muon_offload``). Under the interpreter (``TRITON_INTERPRET=1``) every kernel uses
 its single interpreter config and nothing is tuned.
+
+Keys hold size classes (``bucket``, ``shape_class``), not exact sizes, and the timing runs on
+the class's representative sizes, so a choice is a function of the shape alone. The package
+ships tables in the same format for the GPUs and Triton versions it was measured on
+(``tuned/``): a key missing from the user's cache takes the shipped decision of its own class,
+else of the nearest class with the same other fields, and only a GPU without a table tunes.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -71,6 +79,41 @@ def autotune_enabled() -> bool:
 def bucket(n: int) -> int:
     """Next power of two: tuning keys grow by doubling, so new sizes rarely re-tune."""
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def shape_class(n: int) -> int:
+    """The class a matrix dimension is tuned in: the next power of two up to 128, then the next
+    multiple of 128 (the tiles' sides are 64 to 256, so within a class they cut the matrix
+    alike). The bench workloads' dimensions are their own classes."""
+    return bucket(n) if n <= 128 else -(-int(n) // 128) * 128
+
+
+# Below this many rows the persistent TMA kernels of the 2-D products were slower than the
+# pointer kernels on the H200 (about 10% faster from the 768 x 2048 class up: docs/design.md),
+# so smaller classes do not time them.
+TMA_MIN_ROWS = 512
+
+
+def fitting(configs: Sequence[Config], rows: int, cols: int | None = None) -> tuple[Config, ...]:
+    """The candidates worth timing for a product whose output tiles cover ``rows`` x ``cols``
+    (classes): tiles at most the class's size in each dimension (at least 64, the smallest
+    tile), TMA kernels only from TMA_MIN_ROWS rows. Never empty: the smallest-tiled
+    candidates are kept when none fits."""
+    cols = rows if cols is None else cols
+
+    def fits(c: Config) -> bool:
+        tile_rows = c.block_m or c.block
+        return (
+            tile_rows <= max(64, rows)
+            and c.block <= max(64, cols)
+            and (not c.tma or rows >= TMA_MIN_ROWS)
+        )
+
+    kept = tuple(c for c in configs if fits(c))
+    if kept:
+        return kept
+    smallest = min((c.block_m or c.block) * c.block for c in configs)
+    return tuple(c for c in configs if (c.block_m or c.block) * c.block == smallest)
 
 
 def tuning_batch(elements: int) -> int:
@@ -232,12 +275,29 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+_LOG = logging.getLogger("muon_offload")
+
+# The tables shipped with the package: ``tune-<GPU name>-triton<version>.json``, as
+# ``muon-offload tune`` writes them.
+SHIPPED_DIR = Path(__file__).with_name("tuned")
+
+
+def _size_fields(name: str) -> tuple[str, tuple[str, ...], tuple[float, ...]] | None:
+    """A cache key split into (kernel, its other fields, log2 of its size fields)."""
+    kernel, *fields = name.split("|")
+    sizes = tuple(math.log2(int(f)) for f in fields if f.isdigit() and int(f) > 0)
+    others = tuple("#" if f.isdigit() else f for f in fields)
+    return kernel, others, sizes
+
+
 class Tuner:
     """Chooses a config per (kernel, key) by timing candidates on scratch data, and caches the
     choice in memory and on disk."""
 
     def __init__(self) -> None:
         self._memory: dict[str, dict] = {}
+        self._shipped: dict[str, dict[str, dict]] = {}  # file name -> its table
+        self._said = False  # the first-tuning notice is given once a process
         self._loaded: set[str] = set()
         self._lock = threading.Lock()
         self.last: dict[str, dict] = {}  # kernel -> the latest decision (for `tune` reports)
@@ -260,6 +320,51 @@ class Tuner:
         self._loaded.add(key)
         with contextlib.suppress(OSError, ValueError):
             self._memory.update(json.loads(path.read_text()))
+
+    def _shipped_table(self, path: Path) -> dict[str, dict]:
+        table = self._shipped.get(path.name)
+        if table is None:
+            table = {}
+            with contextlib.suppress(OSError, ValueError):
+                table = json.loads((SHIPPED_DIR / path.name).read_text())
+            self._shipped[path.name] = table
+        return table
+
+    def _shipped_choice(self, path: Path, name: str, configs: Sequence[Config]):
+        """The shipped table's entry for ``name``'s class, else for the nearest class of the
+        same kernel and other fields whose config is a candidate here; (entry, config) or
+        None. Nearest: the least sum of log2 distances of the size fields, ties to the
+        smaller name (so the choice depends on the key and the table alone)."""
+        table = self._shipped_table(path)
+        if not table:
+            return None
+        entry = table.get(name)
+        config = _cached_config(entry, configs) if entry else None
+        if config is not None:
+            return entry, config
+        kernel, others, sizes = _size_fields(name)
+        best = None
+        for other, entry in table.items():
+            o_kernel, o_others, o_sizes = _size_fields(other)
+            if (o_kernel, o_others) != (kernel, others) or len(o_sizes) != len(sizes):
+                continue
+            config = _cached_config(entry, configs)
+            if config is None:
+                continue
+            distance = sum(abs(a - b) for a, b in zip(sizes, o_sizes, strict=True))
+            if best is None or (distance, other) < best[:2]:
+                best = (distance, other, entry, config)
+        return None if best is None else best[2:]
+
+    def _notice(self, path: Path) -> None:
+        if not self._said:
+            self._said = True
+            _LOG.warning(
+                "muon-offload: timing kernel configs for shapes this GPU has no choice for yet "
+                "(a few seconds for each new shape class, once: the choices are cached in %s). "
+                "MUON_OFFLOAD_AUTOTUNE=0 skips tuning and takes each kernel's first config.",
+                path,
+            )
 
     def _save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -296,10 +401,17 @@ class Tuner:
             self.last[kernel] = {"key": name, **hit}
             self._chosen[fast_key] = cached
             return cached
+        shipped = None if force or self.retune else self._shipped_choice(path, name, configs)
+        if shipped is not None:
+            entry, config = shipped
+            self.last[kernel] = {"key": name, **entry}
+            self._chosen[fast_key] = config
+            return config
         if bench is None:
             return configs[0]
         if capturing(device):
             raise CaptureMiss(f"{kernel} was not tuned for {key} before the capture")
+        self._notice(path)
         timings, failures = [], []
         for config in configs:
             try:

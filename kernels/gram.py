@@ -24,7 +24,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._launch import FP_FUSION, TUNER, Config, bench_ms, bucket, dtype_name, tuning_batch
+from ._launch import (
+    FP_FUSION,
+    TUNER,
+    Config,
+    bench_ms,
+    bucket,
+    dtype_name,
+    fitting,
+    shape_class,
+    tuning_batch,
+)
 from ._tma import tma_enabled, tma_layout
 from ._triton import tl, triton
 from .gram_tma import _epilogue, _launch_tma, _lower_tile
@@ -231,11 +241,12 @@ def sym_gram(
     )
     # The config sets the order of the fp32 sums, so it depends on the shape and layout
     # only, never on the batch: a matrix gets the same bits in any batch.
+    m_class, k_class = shape_class(m), bucket(k)
     key = (
         dtype_name(x.dtype),
         dtype_name(out.dtype),
-        m,
-        bucket(k),
+        m_class,
+        k_class,
         x.stride(-1) == 1,  # rows contiguous, or a transposed view
         None if w is None else w.stride(-1) == 1,
         y is not None,
@@ -245,16 +256,17 @@ def sym_gram(
     )
 
     def bench(config: Config) -> float:
-        # Scratch inputs of a batch fixed by the shape (same layouts), scratch output.
-        n = tuning_batch(m * max(k, m))
-        sx = _scratch(x, n)
-        sw = sx if w is None else _scratch(w, n)
-        sy = None if y is None else _scratch(y, n)
-        so = torch.empty(n, m, m, dtype=out.dtype, device=out.device)
+        # Scratch inputs of the class's sizes and a batch fixed by them (same layouts), so the
+        # choice depends on the class alone; scratch output.
+        n = tuning_batch(m_class * max(k_class, m_class))
+        sx = _scratch(x, n, m_class, k_class)
+        sw = sx if w is None else _scratch(w, n, m_class, k_class)
+        sy = None if y is None else _scratch(y, n, m_class, m_class)
+        so = torch.empty(n, m_class, m_class, dtype=out.dtype, device=out.device)
         ss = None if scale is None else _scratch_scale(scale, n)
         return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config, ss))
 
-    configs = GRAM_CONFIGS if tma else GRAM_POINTER_CONFIGS
+    configs = fitting(GRAM_CONFIGS if tma else GRAM_POINTER_CONFIGS, m_class)
     config = TUNER.choose("sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, bench)
     w = x if w is None else w
     _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config, scale)
@@ -267,22 +279,15 @@ def _scratch_scale(scale: NormScale, batch: int) -> NormScale:
     return scale._replace(sumsq=sumsq)
 
 
-def _scratch(t: Tensor, batch: int) -> Tensor:
-    """Random [batch, *t.shape[1:]] with t's dtype and the layout of its last two dims (rows
-    or columns contiguous, their padding kept: TMA takes the scratch when it takes t),
-    each matrix on a 16-byte boundary."""
-    _, rows, cols = t.shape
-    s_r, s_c = t.stride(-2), t.stride(-1)
-    if s_c == 1 and s_r >= cols:
-        strides = (s_r, 1)
-    elif s_r == 1 and s_c >= rows and s_c != 1:
-        strides = (1, s_c)
-    else:
-        strides = (cols, 1)
-    span = (rows - 1) * strides[0] + (cols - 1) * strides[1] + 1
-    span += -span % 8
-    flat = torch.randn(batch * span, device=t.device).div_(cols**0.5).to(t.dtype)
-    return flat.as_strided((batch, rows, cols), (span, *strides))
+def _scratch(t: Tensor, batch: int, rows: int, cols: int) -> Tensor:
+    """Random [batch, rows, cols] (a size class's) with t's dtype and the layout of t's last
+    two dims: rows contiguous, or columns (a transposed view). The classes' sizes are
+    multiples of 16 or powers of two, so each matrix starts on a 16-byte boundary and TMA
+    takes the scratch when it takes t."""
+    flat = torch.randn(batch * rows * cols, device=t.device).div_(cols**0.5).to(t.dtype)
+    if t.stride(-2) == 1 and t.stride(-1) != 1:  # columns contiguous
+        return flat.view(batch, cols, rows).mT
+    return flat.view(batch, rows, cols)
 
 
 def sym_gram_reference(

@@ -30,6 +30,8 @@ from ._launch import (
     bucket,
     check_scalars,
     dtype_name,
+    fitting,
+    shape_class,
     tuning_batch,
 )
 from ._tma import tma_enabled, tma_layout
@@ -272,11 +274,12 @@ def poly_apply(
             if lo < t_hi and t_lo < hi:
                 raise ValueError(f"out must not overlap {name}")
     tma = tma_enabled(x.device) and tma_layout(x) is not None and tma_layout(poly) is not None
+    m_class, n_class = shape_class(m), bucket(n)
     key = (
         dtype_name(x.dtype),
         dtype_name(out_dtype),
-        m,
-        bucket(n),
+        m_class,
+        n_class,
         x.stride(-1) == 1,  # rows contiguous, or a transposed view
         poly.stride(-1) == 1,
         alpha != 0.0,
@@ -287,10 +290,12 @@ def poly_apply(
     # are that out's (and the apply's) on any GPU; the bench never runs the apply.
 
     def bench(config: Config) -> float:
-        # Scratch inputs of a batch fixed by the shape (same layouts), scratch output.
-        n_batch = tuning_batch(m * n)
-        sp, sx = _scratch(poly, n_batch), _scratch(x, n_batch)
-        so = torch.empty(n_batch, m, n, dtype=out_dtype, device=x.device)
+        # Scratch inputs of the class's sizes and a batch fixed by them (same layouts), so the
+        # choice depends on the class alone; scratch output.
+        n_batch = tuning_batch(m_class * n_class)
+        sp = _scratch(poly, n_batch, m_class, m_class)
+        sx = _scratch(x, n_batch, m_class, n_class)
+        so = torch.empty(n_batch, m_class, n_class, dtype=out_dtype, device=x.device)
         ss = None if scale is None else _scratch_scale(scale, n_batch)
         return bench_ms(lambda: _launch(sp, sx, so, alpha, config, ss))
 
@@ -298,6 +303,7 @@ def poly_apply(
         configs = POLY_APPLY_FP32_CONFIGS
     else:
         configs = POLY_APPLY_CONFIGS if tma else POLY_APPLY_POINTER_CONFIGS
+    configs = fitting(configs, m_class, n_class)
     config = TUNER.choose(
         "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
     )

@@ -65,3 +65,156 @@ def test_a_cached_decision_outside_the_candidates_is_tuned_again(monkeypatch, tm
     # A cached decision among the candidates is used as it is, untimed (even if slower).
     assert tuner.choose("k", ("kept",), configs, configs[0], dev, bench) == configs[0]
     assert timed == []
+
+
+def test_shape_classes():
+    assert [_launch.shape_class(n) for n in (1, 5, 17, 64, 100, 128)] == [1, 8, 32, 64, 128, 128]
+    # Past 128, multiples of 128: the bench workloads' dimensions are their own classes.
+    assert [_launch.shape_class(n) for n in (129, 333, 768, 1000, 2048)] == [
+        256,
+        384,
+        768,
+        1024,
+        2048,
+    ]
+
+
+def test_fitting_drops_tiles_larger_than_the_class_and_tma_below_its_rows():
+    from muon_offload.kernels.gram import GRAM_CONFIGS
+    from muon_offload.kernels.poly_apply import POLY_APPLY_CONFIGS
+
+    small = _launch.fitting(GRAM_CONFIGS, 64)
+    assert small and all(c.block == 64 and not c.tma for c in small)
+    assert set(_launch.fitting(GRAM_CONFIGS, 2048)) == set(GRAM_CONFIGS)
+    mid = _launch.fitting(GRAM_CONFIGS, 384)
+    assert not any(c.tma for c in mid) and any(c.block == 128 for c in mid)
+    wide = _launch.fitting(POLY_APPLY_CONFIGS, 128, 4096)
+    assert {c.block_m for c in wide} == {64, 128} and not any(c.tma for c in wide)
+    narrow = _launch.fitting(POLY_APPLY_CONFIGS, 1024, 128)
+    assert all(c.block <= 128 for c in narrow) and any(c.tma for c in narrow)
+    # A class smaller than every tile keeps the smallest-tiled candidates, never none.
+    tiny = _launch.fitting(POLY_APPLY_CONFIGS, 8, 8)
+    assert tiny and {(c.block_m, c.block) for c in tiny} in ({(64, 256)}, {(128, 64)})
+
+
+def _shipped(monkeypatch, tmp_path, table):
+    """A tuner as on a GPU whose shipped table (for the cache file's name) is ``table``."""
+    import json
+
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "t.json").write_text(json.dumps(table))
+    monkeypatch.setattr(_launch, "SHIPPED_DIR", shipped)
+    return tuner
+
+
+def test_shipped_table_decides_its_class_and_the_nearest_class_untimed(monkeypatch, tmp_path):
+    configs = [_launch.Config(block=64), _launch.Config(block=128), _launch.Config(block=256)]
+    table = {
+        "k|bf16|768|2048|True": {"config": {"block": 128}, "ms": 1.0},
+        "k|bf16|4096|8192|True": {"config": {"block": 256}, "ms": 1.0},
+        "k|bf16|768|2048|False": {"config": {"block": 64}, "ms": 1.0},
+        "other|bf16|1000|1024|True": {"config": {"block": 64}, "ms": 1.0},
+    }
+    tuner = _shipped(monkeypatch, tmp_path, table)
+    timed = []
+
+    def bench(config):
+        timed.append(config)
+        return float(config.block)
+
+    dev = torch.device("cuda")
+    assert (
+        tuner.choose("k", ("bf16", 768, 2048, True), configs, configs[0], dev, bench)
+        == (configs[1])
+    )
+    # A class the table lacks takes the nearest class with the same other fields (log2 sizes).
+    assert (
+        tuner.choose("k", ("bf16", 1024, 2048, True), configs, configs[0], dev, bench)
+        == (configs[1])
+    )
+    assert (
+        tuner.choose("k", ("bf16", 3072, 8192, True), configs, configs[0], dev, bench)
+        == (configs[2])
+    )
+    assert (
+        tuner.choose("k", ("bf16", 1024, 4096, False), configs, configs[0], dev, bench)
+        == (configs[0])
+    )
+    assert timed == []
+    # No entry of the kernel with these other fields: timed, and the fastest kept.
+    assert (
+        tuner.choose("k", ("fp16", 768, 2048, True), configs, configs[0], dev, bench)
+        == (configs[0])
+    )
+    assert timed == configs
+    # A shipped config that is not a candidate here is passed over.
+    timed.clear()
+    only = [configs[0], configs[2]]
+    assert tuner.choose("k", ("bf16", 640, 2048, True), only, only[0], dev, bench) in only
+    assert timed == []  # the 4096 x 8192 class's entry (256) is a candidate
+
+
+def test_user_cache_and_retuning_come_before_the_shipped_table(monkeypatch, tmp_path):
+    import json
+
+    configs = [_launch.Config(block=64), _launch.Config(block=128)]
+    tuner = _shipped(monkeypatch, tmp_path, {"k|a|256": {"config": {"block": 128}, "ms": 1.0}})
+    (tmp_path / "t.json").write_text(json.dumps({"k|a|256": {"config": {"block": 64}}}))
+    dev = torch.device("cuda")
+    assert tuner.choose("k", ("a", 256), configs, configs[0], dev, lambda c: 1.0) == configs[0]
+    with tuning.retuning():
+        chosen = tuner.choose("k", ("a", 256), configs, configs[0], dev, lambda c: c.block)
+    assert chosen == configs[0]  # timed again: 64 ms < 128 ms
+
+
+def test_the_first_tuning_of_a_process_says_so_once(monkeypatch, tmp_path, caplog):
+    import logging
+
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    configs = [_launch.Config(block=64), _launch.Config(block=128)]
+    dev = torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="muon_offload"):
+        for key in (("a",), ("a",), ("b",)):
+            tuner.choose("k", key, configs, configs[0], dev, lambda c: 1.0)
+    notices = [r for r in caplog.records if "timing kernel configs" in r.getMessage()]
+    assert len(notices) == 1
+    assert "MUON_OFFLOAD_AUTOTUNE=0" in notices[0].getMessage()
+    assert str(tmp_path / "t.json") in notices[0].getMessage()  # the file names the GPU
+
+
+def test_products_time_the_class_not_the_call(monkeypatch):
+    """Two shapes of one class get one key, and the timing runs on the class's sizes in the
+    call's layout: the choice cannot depend on which shape of the class came first."""
+    from muon_offload.kernels import gram, poly_apply
+
+    seen = []
+
+    def choose(kernel, key, configs, interpreter_config, device, bench, force=False):
+        seen.append((kernel, key))
+        bench(interpreter_config)
+        return interpreter_config
+
+    launched = []
+    monkeypatch.setattr(_launch.TUNER, "choose", choose)
+    monkeypatch.setattr(gram, "bench_ms", lambda fn: fn() or 0.0)
+    monkeypatch.setattr(poly_apply, "bench_ms", lambda fn: fn() or 0.0)
+    monkeypatch.setattr(_launch, "interpreted", lambda: False)
+
+    def spy_gram(x, w, *args, **kwargs):  # records the launch, runs nothing
+        launched.append(("sym_gram", tuple(x.shape[1:]), x.stride(-1) == 1))
+
+    def spy_poly(poly, x, *args, **kwargs):
+        launched.append(("poly_apply", tuple(x.shape[1:]), x.stride(-1) == 1))
+
+    monkeypatch.setattr(gram, "_launch", spy_gram)
+    monkeypatch.setattr(poly_apply, "_launch", spy_poly)
+    for m, k in ((300, 40), (333, 57)):
+        x = torch.randn(2, k, m).mT  # [2, m, k], columns contiguous
+        gram.sym_gram(x)
+        poly_apply.poly_apply(torch.randn(2, m, m), x.contiguous(), alpha=0.5)
+    keys = {kernel: {key for kk, key in seen if kk == kernel} for kernel, _ in seen}
+    assert all(len(v) == 1 for v in keys.values()), keys
+    benched = [entry for i, entry in enumerate(launched) if i % 2 == 0]
+    assert set(benched) == {("sym_gram", (384, 64), False), ("poly_apply", (384, 64), True)}
