@@ -1,6 +1,7 @@
 """The ``muon-offload`` commands' options and messages: every option's help shows its default,
-bad demo options are usage errors, the CPU-path notice stays above the demo's table, and the
-bench warns before a GPU-sized workload starts on the CPU."""
+bad demo options are usage errors, the CPU-path notice stays above the demo's table, the demo
+closes with each mode's median step time and whether the loss curves agree, and the bench
+warns before a GPU-sized workload starts on the CPU."""
 
 import os
 import re
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from muon_offload.tools import cli
+from muon_offload.tools import cli, demo
 from muon_offload.tools.bench import command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,8 +102,40 @@ def test_demo_prints_the_cpu_notice_once_above_its_table():
     # stdout and stderr interleave on a terminal: the notice is logged before the table starts.
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["step"])
-    assert lines[header + 1].split()[0] == "1" and len(lines) == header + 4
+    assert [line.split()[0] for line in lines[header + 1 : header + 3]] == ["1", "2"]
+    assert lines[header + 3].startswith("offloaded optimizer state")
     assert "offload=True" not in proc.stdout
+    # Closing: each mode's median step time, then the curves' agreement: bitwise on the CPU,
+    # whose path is deterministic and whose offloaded step gives the resident step's bits.
+    times = lines[header + 4 : header + 7]
+    assert "median of steps 2-2" in times[0]
+    assert [line.split()[0] for line in times[1:]] == ["resident", "offloaded"]
+    assert lines[header + 7 :] == ["loss curves: bitwise equal at all 2 steps"]
+
+
+def test_demo_loss_curves_agree_bitwise_within_the_tolerance_or_not():
+    assert demo.agreement([3.0, 2.0], [3.0, 2.0]) == (
+        True,
+        "loss curves: bitwise equal at all 2 steps",
+    )
+    near = 2.0 * (1 + demo.LOSS_RTOL / 2)
+    agree, sentence = demo.agreement([3.0, 2.0], [3.0, near])
+    assert agree and "within relative 0.001" in sentence and "at step 2" in sentence
+    far = 2.0 * (1 + demo.LOSS_RTOL * 2)
+    agree, sentence = demo.agreement([3.0, 2.0], [3.0, far])
+    assert not agree and "DIFFER" in sentence and "at step 2" in sentence
+    nan = float("nan")
+    assert not demo.agreement([3.0, nan], [3.0, nan])[0]
+    assert not demo.agreement([3.0, 2.0], [3.0, nan])[0]
+
+
+def test_demo_step_time_is_the_median_of_the_steps_after_the_first():
+    header, resident, offloaded = demo.step_times(
+        ["resident", "offloaded"], [[0.5, 0.004, 0.001, 0.002], [0.1, 0.003, 0.3, 0.002]]
+    )
+    assert "median of steps 2-4" in header
+    assert resident.split() == ["resident", "2.00", "ms", "500.00", "ms"]
+    assert offloaded.split() == ["offloaded", "3.00", "ms", "100.00", "ms"]
 
 
 class _Stop(Exception):
