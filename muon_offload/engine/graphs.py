@@ -364,6 +364,7 @@ class GraphMixin:
             sched.run(transfers, update, side)
 
         if not self._graphed(sched.device, closure):
+            self._ungraphed_steps += 1  # eager steps all the same (``graph_stats``)
             body()
             return
         if self._graphs is None or self._graphs.device != sched.device:
@@ -406,6 +407,6 @@ class GraphMixin:
         and why graphs were given up (None while they are not). None with False."""
         if self.cuda_graph is False:
             return None
-        if self._graphs is None:
-            return StepGraphs(torch.device("cpu")).stats()
-        return self._graphs.stats()
+        stats = (self._graphs or StepGraphs(torch.device("cpu"))).stats()
+        stats["eager_steps"] += self._ungraphed_steps  # off CUDA, with a closure, timed
+        return stats

@@ -140,6 +140,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self.backend = settings.backend
         self.cuda_graph = settings.cuda_graph
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
+        self._ungraphed_steps = 0  # steps run eagerly outside ``_graphs`` (graph_stats)
         # Why "auto" keeps every step eager (a mesh or DTensor parameters), None if nothing.
         self._graph_blocker = None if mesh.group is None else "a distributed_mesh"
         # (plan, transfers, layouts, side, the work planned) by what they depend on (``_plan``);
