@@ -325,3 +325,29 @@ def test_copy_gains_no_attributes(how, make):
     assert set(vars(copied)) <= set(vars(opt))
     assert ("algorithms" in vars(copied)) == ("algorithms" in vars(opt))
     assert copied.algorithms.keys() == opt.algorithms.keys()
+
+
+def test_8bit_checkpoint_reaches_torch_through_a_dense_optimizer():
+    """torch's AdamW reads dense state only (an 8-bit checkpoint holds ``exp_avg_codes`` and
+    ``exp_avg_scales``). The conversion docs/usage.md gives: load it into ours with dense
+    state and save that; torch resumes from it as ours does."""
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(3)
+    # 64 x 80 is over the 4,096 elements below which 8-bit state stays fp32.
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(64, 80), (1031,)]]
+    quantized = AdamW(params, state_dtype=torch.int8, **kw)
+    _steps(params, quantized, 0, 3)
+    saved = copy.deepcopy(quantized.state_dict())
+    assert "exp_avg_codes" in saved["state"][0] and "exp_avg" not in saved["state"][0]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    dense = AdamW(ours, **kw)
+    dense.load_state_dict(saved)
+    converted = copy.deepcopy(dense.state_dict())
+    assert set(converted["state"][0]) == {"exp_avg", "exp_avg_sq", "step"}
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref_opt = torch.optim.AdamW(ref, foreach=False, **kw)
+    ref_opt.load_state_dict(converted)
+    _steps(ours, dense, 3, 2)
+    _steps(ref, ref_opt, 3, 2)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
