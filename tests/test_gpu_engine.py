@@ -1,6 +1,7 @@
 """The streaming engine on a GPU: races, leaks, and the memory the step adds."""
 
 import re
+from collections import defaultdict
 
 import pytest
 import torch
@@ -256,3 +257,36 @@ def test_side_stream_offloaded_equals_resident_bitwise_over_50_steps(state_dtype
             assert torch.equal(a, b)
             for key in opt.state[a]:
                 assert torch.equal(opt.state[a][key].cuda(), r_opt.state[b][key])
+
+
+def test_dropped_state_reuses_its_pinned_bytes_bitwise():
+    """State dropped between steps (all of it, then some) is made afresh in the pinned bytes it
+    left, once the last step's write-backs have landed: host memory stays flat and the steps
+    equal resident state dropped the same way, bit for bit (a write-back landing after the
+    bytes were zeroed for the new state would show)."""
+    init = _race_model(2)
+    same = dict(chunk_bytes=2 << 20, resident_chunk_bytes=2 << 20)
+    runs = []
+    for kwargs in (dict(offload=True, **same), same):
+        params, opt = _run(init, 2, **kwargs)
+        held = opt.host_state_bytes
+        gen = torch.Generator(device="cuda").manual_seed(8)
+        for s in range(4):
+            if s % 2 == 0:
+                opt.state = defaultdict(dict)
+            else:
+                for p in params[::3]:
+                    del opt.state[p]
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=gen)
+            opt.step()
+            assert opt.host_state_bytes == held
+        torch.cuda.synchronize()
+        runs.append((params, opt))
+    (offloaded, o_opt), (resident, r_opt) = runs
+    assert o_opt.host_state_bytes > 0
+    for a, b in zip(offloaded, resident, strict=True):
+        assert torch.equal(a, b)
+        for key in o_opt.state[a]:
+            assert o_opt.state[a][key].is_pinned()
+            assert torch.equal(o_opt.state[a][key].cuda(), r_opt.state[b][key])
