@@ -6,9 +6,9 @@ number of elements. Math runs in fp32; each stored tensor is rounded once, on st
 
 ``adamw_`` and ``lion_`` launch one Triton kernel per dtype combination (usually one per
 call). Each program updates one chunk of one segment, read through a pointer table of rows
-``[p, g, m, (v,) start, count]``; see ``_launch.py``. ``adamw_reference_`` and
-``lion_reference_`` are the plain-torch versions (CPU path, and what the kernels are tested
-against).
+``[p, g, m, (v,) start, count]`` (``g``: a row of a table of gradient addresses, ``GradIndex``;
+see ``_launch.py``). ``adamw_reference_`` and ``lion_reference_`` are the plain-torch versions
+(CPU path, and what the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._grad_index import GradIndex, grad_index_for
 from ._launch import (
     ALIGN_BYTES,
     FP_FUSION,
@@ -91,7 +92,8 @@ def _adamw_tile(
 
 @triton.jit
 def _adamw_kernel(
-    table,  # [programs, 6] int64: p, g, m, v addresses, start, count
+    table,  # [programs, 6] int64: p address, g row in grads, m, v addresses, start, count
+    grads,  # int64: gradient addresses (GradIndex.table)
     hyper,  # fp32 [7]: adamw_scalars' values (read from memory: a CUDA graph replays new ones)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -105,7 +107,7 @@ def _adamw_kernel(
     start = tl.load(row + 4)
     count = tl.load(row + 5)
     p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
     m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
     v_ptr = _typed(row, 3, V_DTYPE, start, ALIGNED)
     w1 = tl.load(hyper)  # 1 - beta1 (lerp weight)
@@ -168,7 +170,8 @@ def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr):
 
 @triton.jit
 def _lion_kernel(
-    table,  # [programs, 5] int64: p, g, m addresses, start, count
+    table,  # [programs, 5] int64: p address, g row in grads, m address, start, count
+    grads,  # int64: gradient addresses (GradIndex.table)
     hyper,  # fp32 [4]: 1 - beta1, 1 - beta2, 1 - lr * weight_decay, lr (lion_scalars)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -181,7 +184,7 @@ def _lion_kernel(
     start = tl.load(row + 3)
     count = tl.load(row + 4)
     p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
     m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
     w1 = tl.load(hyper)
     w2 = tl.load(hyper + 1)
@@ -196,39 +199,44 @@ def _lion_kernel(
         _lion_tile(p_ptr, g_ptr, m_ptr, n_full * BLOCK + offs, offs < tail, w1, w2, decay, lr)
 
 
-def _launch_segments(kernel, name: str, lists, scalars) -> None:
-    """Launch ``kernel`` over parallel segment lists: one launch per combination of dtypes and
-    16-byte alignment. Alignment is a compile-time promise for the whole launch, so one
-    unaligned segment must not take 16-byte accesses away from the others: measured on the
-    H200, 104 segments of 32 Mi elements ran 0.35 ms with one odd offset among them against
-    0.23 ms all aligned."""
+def _launch_segments(kernel, name: str, lists, scalars, index: GradIndex | None) -> None:
+    """Launch ``kernel`` over parallel segment lists (gradients through ``index``): one launch
+    per combination of dtypes and 16-byte alignment. Alignment is a compile-time promise for
+    the whole launch, so one unaligned segment must not take 16-byte accesses away from the
+    others: measured on the H200, 104 segments of 32 Mi elements ran 0.35 ms with one odd
+    offset among them against 0.23 ms all aligned."""
     numels = check_lists([name] * len(lists), lists)
+    if not numels:
+        return
     ptrs = [[t.data_ptr() for t in tensors] for tensors in lists]
     aligned = [not any(col[i] % ALIGN_BYTES for col in ptrs) for i in range(len(numels))]
+    grad_table, ptrs[1] = grad_index_for(lists[1], index)  # the table holds the gradients' rows
     groups = group_by_dtype(lists)
-    device = lists[0][0].device if numels else None
+    device = lists[0][0].device
     if len(groups) == 1 and all(aligned):  # the usual case: one launch over everything
         ((dtypes, _),) = groups.items()
         config = _choose(kernel, name, lists, numels, dtypes, scalars)
-        _launch_group(kernel, name, device, ptrs, numels, dtypes, scalars, config, True)
+        _launch_group(kernel, name, device, ptrs, grad_table, numels, dtypes, scalars, config, True)
         return
-    for dtypes, index in groups.items():
+    for dtypes, members in groups.items():
         for flag in (True, False):
-            part = [i for i in index if aligned[i] == flag]
+            part = [i for i in members if aligned[i] == flag]
             if not part:
                 continue
             group = [[tensors[i] for i in part] for tensors in lists]
             sizes = [numels[i] for i in part]
             config = _choose(kernel, name, group, sizes, dtypes, scalars)
             part_ptrs = [[col[i] for i in part] for col in ptrs]
-            _launch_group(kernel, name, device, part_ptrs, sizes, dtypes, scalars, config, flag)
+            _launch_group(
+                kernel, name, device, part_ptrs, grad_table, sizes, dtypes, scalars, config, flag
+            )
 
 
 def _launch_group(
-    kernel, name, device, ptrs, sizes, dtypes, scalars, config: Config, aligned: bool
+    kernel, name, device, ptrs, grad_table, sizes, dtypes, scalars, config: Config, aligned: bool
 ) -> None:
     """One launch over segments given by their addresses (``ptrs[j][i]``: tensor j of
-    segment i) and element counts."""
+    segment i; the gradients' rows of ``grad_table`` at j = 1) and element counts."""
     ptrs = tuple(tuple(col) for col in ptrs)
     key = (name, device.index, config.chunk, ptrs, tuple(sizes))
 
@@ -244,6 +252,7 @@ def _launch_group(
         return
     kernel[(table.shape[0],)](
         table,
+        grad_table,
         scalars,
         *(triton_dtype(d) for d in dtypes),
         BLOCK=config.block,
@@ -262,9 +271,10 @@ def _choose(kernel, name, group, sizes, dtypes, scalars) -> Config:
         scratch = [scratch_like(tensors, positive=(j == 3)) for j, tensors in enumerate(group)]
         ptrs = [[t.data_ptr() for t in tensors] for tensors in scratch]
         aligned = not any(p % ALIGN_BYTES for col in ptrs for p in col)
+        grad_table, ptrs[1] = grad_index_for(scratch[1], None)
         return bench_ms(
             lambda: _launch_group(
-                kernel, name, device, ptrs, sizes, dtypes, scalars, config, aligned
+                kernel, name, device, ptrs, grad_table, sizes, dtypes, scalars, config, aligned
             )
         )
 
@@ -315,13 +325,16 @@ def adamw_from_(
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
     scalars: Tensor,
+    grad_index: GradIndex | None = None,
 ) -> None:
     """``adamw_`` with its runtime scalars read on the device from ``scalars``: fp32, the
     seven values of ``adamw_scalars`` in order (the engine's step table: what a CUDA graph
-    replays with each step's values)."""
+    replays with each step's values). ``grad_index``: where the kernel reads the gradients'
+    addresses (the engine's step table of them; ``_launch.GradIndex``), None for theirs."""
     if params:
         check_scalars(scalars, 7, params[0].device)
-    _launch_segments(_adamw_kernel, "adamw", (params, grads, exp_avgs, exp_avg_sqs), scalars)
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    _launch_segments(_adamw_kernel, "adamw", lists, scalars, grad_index)
 
 
 def lion_(
@@ -340,12 +353,13 @@ def lion_(
 
 
 def lion_from_(
-    params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], scalars: Tensor
+    params: Sequence[Tensor], grads, exp_avgs, scalars: Tensor, grad_index: GradIndex | None = None
 ) -> None:
-    """``lion_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``."""
+    """``lion_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``,
+    its gradients through ``grad_index`` (as ``adamw_from_``)."""
     if params:
         check_scalars(scalars, 4, params[0].device)
-    _launch_segments(_lion_kernel, "lion", (params, grads, exp_avgs), scalars)
+    _launch_segments(_lion_kernel, "lion", (params, grads, exp_avgs), scalars, grad_index)
 
 
 def adamw_reference_(

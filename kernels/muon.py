@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._grad_index import GradIndex, grad_index_for
 from ._launch import (
     FP_FUSION,
     TABLES,
@@ -70,7 +71,8 @@ def _prep_tile(m_ptr, g_ptr, u_ptr, offs, mask, mu, NESTEROV: tl.constexpr):
 
 @triton.jit
 def _muon_prep_kernel(
-    table,  # [B, 2] int64: momentum, gradient addresses
+    table,  # [B, 2] int64: momentum address, the gradient's row in grads
+    grads,  # int64: gradient addresses (GradIndex.table)
     out,  # [B, numel] update, contiguous
     partial,  # [B, chunks] fp32 partial sums of squares
     numel,  # elements per matrix
@@ -88,7 +90,9 @@ def _muon_prep_kernel(
     i_b = tl.program_id(1).to(tl.int64)
     start = i_c * CHUNK
     m_ptr = tl.load(table + i_b * 2).to(tl.pointer_type(M_DTYPE)) + start
-    g_ptr = tl.load(table + i_b * 2 + 1).to(tl.pointer_type(G_DTYPE)) + start
+    # Read through grads (rewritten each step by the engine): a captured launch reads this
+    # step's gradient wherever backward put it.
+    g_ptr = tl.load(grads + tl.load(table + i_b * 2 + 1)).to(tl.pointer_type(G_DTYPE)) + start
     if ALIGNED:
         m_ptr = tl.multiple_of(m_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
@@ -143,8 +147,13 @@ def _muon_apply_kernel(
     tl.store(p_x, x.to(X_DTYPE), mask=mask)
 
 
-def _table(name: str, tensors_lists: Sequence[Sequence[Tensor]]) -> Tensor:
-    ptrs = tuple(tuple(t.data_ptr() for t in ts) for ts in zip(*tensors_lists, strict=True))
+def _table(name: str, tensors_lists: Sequence[Sequence[Tensor]], grad_rows=None) -> Tensor:
+    """A batch's pointer table, one row a matrix; ``grad_rows``: a last column of rows of a
+    gradient table (``GradIndex``) instead of addresses."""
+    cols = [[t.data_ptr() for t in ts] for ts in tensors_lists]
+    if grad_rows is not None:
+        cols.append(grad_rows)
+    ptrs = tuple(zip(*cols, strict=True))
     device = tensors_lists[0][0].device
     return TABLES.get((name, device, ptrs), lambda: np.array(ptrs, dtype=np.int64), device)
 
@@ -165,12 +174,14 @@ def _check_matrices(names, lists) -> int:
     return len(lists[0])
 
 
-def _prep_launch(momentums, grads, mu, nesterov, out, partial, config: Config) -> None:
+def _prep_launch(momentums, grads, index, mu, nesterov, out, partial, config: Config) -> None:
     batch = len(momentums)
     numel = momentums[0].numel()
     chunks = groups_for(numel)
+    grad_table, grad_rows = grad_index_for(grads, index)
     _muon_prep_kernel[(chunks, batch)](
-        _table("muon_prep", (momentums, grads)),
+        _table("muon_prep", (momentums,), grad_rows),
+        grad_table,
         out,
         partial,
         numel,
@@ -213,6 +224,7 @@ def muon_prep(
     nesterov: bool,
     out: Tensor | None = None,
     sumsq: Tensor | None = None,
+    grad_index: GradIndex | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fused momentum update + update matrix + sum of squares for a batch of same-shape
     matrices, in one launch (plus a [B, groups] -> [B] sum). Same math as
@@ -220,7 +232,8 @@ def muon_prep(
     values in ``sumsq.py``'s order, bit for bit ``sum_squares(out)`` whatever the batch.
     ``out`` must be contiguous [B, m, n] (bf16 unless the caller wants otherwise). ``mu``: a
     number, or an fp32 tensor on the device holding it (read by the kernel: the engine's step
-    table)."""
+    table). ``grad_index``: where the kernel reads the gradients' addresses, one row a matrix
+    (the engine's step table of them, ``_launch.GradIndex``); None: their own."""
     batch = _check_matrices(("momentums", "grads"), (momentums, grads))
     shape = momentums[0].shape
     device = momentums[0].device
@@ -243,12 +256,14 @@ def muon_prep(
         scratch_out = torch.empty_like(out)
         part = torch.empty(batch, groups_for(numel), device=device)
         return bench_ms(
-            lambda: _prep_launch(scratch_m, scratch_g, mu, nesterov, scratch_out, part, config)
+            lambda: _prep_launch(
+                scratch_m, scratch_g, None, mu, nesterov, scratch_out, part, config
+            )
         )
 
     config = TUNER.choose("muon_prep", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
     partial = torch.empty(batch, groups_for(numel), device=device)
-    _prep_launch(momentums, grads, mu, bool(nesterov), out, partial, config)
+    _prep_launch(momentums, grads, grad_index, mu, bool(nesterov), out, partial, config)
     sum_partials(partial, sumsq)
     return out, sumsq
 

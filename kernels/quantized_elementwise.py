@@ -3,8 +3,9 @@ and the torch references they are tested against (the same math on dequantized s
 requantized after; the CPU path).
 
 Like elementwise.py's kernels, each program updates one chunk of one segment, read through a
-pointer table of rows ``[p, g, codes, scales, ..., start, count]`` (``_launch.py``); a segment
-starts on a block boundary of its parameter, so chunks (multiples of ``QBLOCK``) cut no block.
+pointer table of rows ``[p, g, codes, scales, ..., start, count]`` (``_launch.py``; ``g``, a
+row of a table of gradient addresses: ``GradIndex``); a segment starts on a block boundary of
+its parameter, so chunks (multiples of ``QBLOCK``) cut no block.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._grad_index import grad_index_for
 from ._launch import (
     ALIGN_BYTES,
     TABLES,
@@ -103,6 +105,7 @@ def _adamw8_tile(
 @triton.jit
 def _adamw8_kernel(
     table,  # [programs, 8] int64: p, g, m codes, m scales, v codes, v scales, start, count
+    grads,  # int64 gradient addresses (GradIndex.table): the table's g is a row of it
     scalars,  # fp32 [7]: adamw_scalars' values, read from memory (a CUDA graph replays them)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -114,7 +117,7 @@ def _adamw8_kernel(
     start = tl.load(row + 6)  # a multiple of the chunk, so of QBLOCK
     count = tl.load(row + 7)
     p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
     mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
     ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
     vc_ptr = _typed(row, 4, tl.uint8, start, ALIGNED)
@@ -192,6 +195,7 @@ def _lion8_tile(
 @triton.jit
 def _lion8_kernel(
     table,  # [programs, 6] int64: p, g, m codes, m scales, start, count
+    grads,  # int64 gradient addresses (GradIndex.table): the table's g is a row of it
     scalars,  # fp32 [4]: 1 - beta1, 1 - beta2, 1 - lr * weight_decay, lr (lion_scalars)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -203,7 +207,7 @@ def _lion8_kernel(
     start = tl.load(row + 4)
     count = tl.load(row + 5)
     p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(row, 1, G_DTYPE, start, ALIGNED)
+    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
     mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
     ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
     hyper = (tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2), tl.load(scalars + 3))
@@ -217,15 +221,17 @@ def _lion8_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _launch_segments(kernel, name, params, grads, states, scalars) -> None:
+def _launch_segments(kernel, name, params, grads, states, scalars, index) -> None:
     """Checks the segments, then launches once per (param dtype, grad dtype, 16-byte alignment)
     group of them. ``states``: (name, codes, scales, map kind) per state. Scales need 4-byte
-    alignment only; the others are read 16 bytes at a time when aligned."""
+    alignment only; the others are read 16 bytes at a time when aligned. The gradients are
+    read through ``index`` (``_launch.grad_index_for``)."""
     numels = check_segments(params, grads, states)
     if not numels:
         return
     lists = (params, grads, *(ts for _, codes, scales, _ in states for ts in (codes, scales)))
     device = lists[0][0].device
+    grad_table, grad_rows = grad_index_for(grads, index)
     groups: dict[tuple, list[int]] = {}
     for i in range(len(numels)):
         aligned = all(
@@ -234,12 +240,14 @@ def _launch_segments(kernel, name, params, grads, states, scalars) -> None:
             if j < 2 or j % 2 == 0
         )
         groups.setdefault((lists[0][i].dtype, lists[1][i].dtype, aligned), []).append(i)
-    for (p_dtype, g_dtype, aligned), index in groups.items():
-        ptrs = tuple(tuple(lists[j][i].data_ptr() for i in index) for j in range(len(lists)))
-        sizes = tuple(numels[i] for i in index)
+    for (p_dtype, g_dtype, aligned), members in groups.items():
+        ptrs = [tuple(lists[j][i].data_ptr() for i in members) for j in range(len(lists))]
+        ptrs[1] = tuple(grad_rows[i] for i in members)  # the table holds the gradients' rows
+        ptrs = tuple(ptrs)
+        sizes = tuple(numels[i] for i in members)
         dtypes = (triton_dtype(p_dtype), triton_dtype(g_dtype))
 
-        def launch(ptrs, config, aligned=aligned, sizes=sizes, dtypes=dtypes):
+        def launch(ptrs, grad_table, config, aligned=aligned, sizes=sizes, dtypes=dtypes):
             key = (name, device.index, config.chunk, ptrs, sizes)
             table = TABLES.get(
                 key,
@@ -252,6 +260,7 @@ def _launch_segments(kernel, name, params, grads, states, scalars) -> None:
             )
             kernel[(table.shape[0],)](
                 table,
+                grad_table,
                 scalars,
                 *dtypes,
                 BLOCK=config.block,
@@ -262,22 +271,23 @@ def _launch_segments(kernel, name, params, grads, states, scalars) -> None:
                 enable_fp_fusion=False,
             )
 
-        def bench(config, index=index, launch=launch):
+        def bench(config, members=members, launch=launch):
             scratch = []
             for j, tensors in enumerate(lists):
-                group = [tensors[i] for i in index]
+                group = [tensors[i] for i in members]
                 if j >= 2 and j % 2 == 0:  # codes: random bytes
                     scratch.append([torch.randint_like(t, 0, 100) for t in group])
                 elif j >= 2:  # scales
                     scratch.append(scratch_like(group, positive=True))
                 else:
                     scratch.append(scratch_like(group))
-            ptrs = tuple(tuple(t.data_ptr() for t in col) for col in scratch)
-            return bench_ms(lambda: launch(ptrs, config))
+            ptrs = [tuple(t.data_ptr() for t in col) for col in scratch]
+            scratch_table, ptrs[1] = grad_index_for(scratch[1], None)
+            return bench_ms(lambda: launch(tuple(ptrs), scratch_table, config))
 
         key = (dtype_name(p_dtype), dtype_name(g_dtype), bucket(sum(sizes)), bucket(len(sizes)))
         config = TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
-        launch(ptrs, config)
+        launch(ptrs, grad_table, config)
 
 
 def adamw8_(
@@ -303,13 +313,16 @@ def adamw8_(
     adamw8_from_(params, grads, m_codes, m_scales, v_codes, v_scales, scalars)
 
 
-def adamw8_from_(params, grads, m_codes, m_scales, v_codes, v_scales, scalars: Tensor) -> None:
+def adamw8_from_(
+    params, grads, m_codes, m_scales, v_codes, v_scales, scalars: Tensor, grad_index=None
+) -> None:
     """``adamw8_`` with its runtime scalars (``adamw_scalars``' seven, fp32) read on the
-    device from ``scalars`` (the engine's step table)."""
+    device from ``scalars`` (the engine's step table); ``grad_index``: where the gradients'
+    addresses are read (``_launch.GradIndex``; None: theirs)."""
     if params:
         check_scalars(scalars, 7, params[0].device)
     states = [("m_codes", m_codes, m_scales, "adam_m"), ("v_codes", v_codes, v_scales, "adam_v")]
-    _launch_segments(_adamw8_kernel, "adamw8", params, grads, states, scalars)
+    _launch_segments(_adamw8_kernel, "adamw8", params, grads, states, scalars, grad_index)
 
 
 def lion8_(
@@ -329,12 +342,13 @@ def lion8_(
     lion8_from_(params, grads, m_codes, m_scales, scalars)
 
 
-def lion8_from_(params, grads, m_codes, m_scales, scalars: Tensor) -> None:
-    """``lion8_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``."""
+def lion8_from_(params, grads, m_codes, m_scales, scalars: Tensor, grad_index=None) -> None:
+    """``lion8_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``,
+    its gradients through ``grad_index`` (as ``adamw8_from_``)."""
     if params:
         check_scalars(scalars, 4, params[0].device)
     states = [("m_codes", m_codes, m_scales, "momentum")]
-    _launch_segments(_lion8_kernel, "lion8", params, grads, states, scalars)
+    _launch_segments(_lion8_kernel, "lion8", params, grads, states, scalars, grad_index)
 
 
 # ----------------------------------------------------------------------------- torch

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._grad_index import GradIndex, grad_index_for
 from ._launch import (
     ALIGN_BYTES,
     TABLES,
@@ -87,7 +88,8 @@ def _prep8_tile(
 
 @triton.jit
 def _prep8_kernel(
-    table,  # [B, 3] int64: momentum codes, momentum scales, gradient addresses
+    table,  # [B, 3] int64: momentum codes, momentum scales addresses, gradient row in grads
+    grads,  # int64: gradient addresses (GradIndex.table)
     out,  # [B, numel] update, contiguous
     partial,  # [B, chunks] fp32 partial sums of squares
     numel,  # elements per matrix
@@ -105,7 +107,7 @@ def _prep8_kernel(
     start = i_c * CHUNK
     mc_ptr = _typed(row, 0, tl.int8, start, ALIGNED)
     ms_ptr = _typed(row, 1, tl.float32, start // _QB, False)
-    g_ptr = _typed(row, 2, G_DTYPE, start, ALIGNED)
+    g_ptr = _typed(grads, tl.load(row + 2), G_DTYPE, start, ALIGNED)  # a row of grads
     u_ptr = out + i_m * numel + start
     count = tl.minimum(numel - start, CHUNK)
     mu = tl.load(mu_ptr)
@@ -137,16 +139,20 @@ def _row_sum_kernel(partial, out, chunks, BLOCK: tl.constexpr):
 # ----------------------------------------------------------------------------- launcher
 
 
-def _prep8_launch(m_codes, m_scales, grads, mu, nesterov, out, partial, config) -> None:
+def _prep8_launch(m_codes, m_scales, grads, index, mu, nesterov, out, partial, config) -> None:
     batch, numel = len(m_codes), m_codes[0].numel()
     chunks = partial.shape[1]
     lists = (m_codes, m_scales, grads)
     ptrs = tuple(tuple(t.data_ptr() for t in ts) for ts in zip(*lists, strict=True))
+    aligned = all(p[0] % ALIGN_BYTES == 0 and p[2] % ALIGN_BYTES == 0 for p in ptrs)
+    grad_table, grad_rows = grad_index_for(grads, index)
+    # The table holds the gradients' rows of grad_table, not their addresses.
+    ptrs = tuple((mc, ms, row) for (mc, ms, _), row in zip(ptrs, grad_rows, strict=True))
     device = grads[0].device
     table = TABLES.get(("muon_prep8", device, ptrs), lambda: np.array(ptrs, np.int64), device)
-    aligned = all(p[0] % ALIGN_BYTES == 0 and p[2] % ALIGN_BYTES == 0 for p in ptrs)
     _prep8_kernel[(chunks, batch)](
         table,
+        grad_table,
         out,
         partial,
         numel,
@@ -171,6 +177,7 @@ def muon_prep8(
     nesterov: bool,
     out: Tensor | None = None,
     sumsq: Tensor | None = None,
+    grad_index: GradIndex | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``muon_prep`` on 8-bit momentum: M = mu M + G (requantized in place), U = mu M + G
     with nesterov else M, stored in ``out`` (bf16 [B, m, n] by default), and each matrix's
@@ -178,7 +185,7 @@ def muon_prep8(
     ``m_codes[i]`` is int8 with the matrix's shape, ``m_scales[i]`` fp32
     [ceil(m n / QBLOCK)]. The sum's order depends on the matrix shape only (the config is
     chosen by shape, the final sum is one fixed-order program a matrix): a matrix gives the
-    same bits in a batch of 1 or 40."""
+    same bits in a batch of 1 or 40. ``grad_index``: as ``muon_prep``'s."""
     if not m_codes:
         raise ValueError("empty batch")
     shape, numel = m_codes[0].shape, m_codes[0].numel()
@@ -203,12 +210,12 @@ def muon_prep8(
         part = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
         scratch_out = torch.empty_like(out)
         return bench_ms(
-            lambda: _prep8_launch(codes, scales, g, mu, nesterov, scratch_out, part, config)
+            lambda: _prep8_launch(codes, scales, g, None, mu, nesterov, scratch_out, part, config)
         )
 
     config = TUNER.choose("muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
     partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
-    _prep8_launch(m_codes, m_scales, grads, mu, bool(nesterov), out, partial, config)
+    _prep8_launch(m_codes, m_scales, grads, grad_index, mu, bool(nesterov), out, partial, config)
     # Adds only: no contraction to choose, named so that no Triton default applies.
     _row_sum_kernel[(batch,)](
         partial, sumsq, partial.shape[1], BLOCK=SUM_BLOCK, enable_fp_fusion=False

@@ -126,11 +126,13 @@ def test_adamw_int64_offset_probe(device):
     m, v = randn(n, F32, device), randn(n, F32, device, positive=True)
     ref = [[t.clone()] for t in (p, g, m, v)]
     row = [t.data_ptr() - shift * 4 for t in (p, g, m, v)] + [shift, n]
+    grads = torch.tensor([row[1]], dtype=torch.int64, device=device)  # the row holds its row
+    row[1] = 0
     table = torch.tensor([row], dtype=torch.int64, device=device)
     step_scalars = (0.1, 0.95, 0.05, 1e-8, 1 - 3e-3 * 0.1, 3e-3 / (1 - 0.9), (1 - 0.95) ** 0.5)
     scalars = torch.tensor(step_scalars, dtype=F32, device=device)
-    tl_f32 = _launch.triton_dtype(F32)
-    _adamw_kernel[(1,)](table, scalars, tl_f32, tl_f32, tl_f32, tl_f32, BLOCK=256, ALIGNED=False)
+    dtypes = (_launch.triton_dtype(F32),) * 4
+    _adamw_kernel[(1,)](table, grads, scalars, *dtypes, BLOCK=256, ALIGNED=False)
     adamw_reference_(*ref, **ADAMW, step=1)
     for a, e in zip((p, m, v), (ref[0][0], ref[2][0], ref[3][0]), strict=True):
         assert_close(a, e, exact_bf16=False)
