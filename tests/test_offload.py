@@ -374,3 +374,20 @@ def test_host_slabs_reuse_freed_ranges_in_order():
     # Into the first slab, now free; the second, holding nothing either, is given back.
     assert len(slabs.slabs) == 1 and slabs.slab_of(small[0]) is slabs.slabs[0]
     assert small[0].data_ptr() == slabs.slabs[0].data_ptr()
+
+
+def test_write_backs_are_waited_for_while_the_dropped_state_counts_as_streamed(monkeypatch):
+    """Before dropped state's bytes are reused, the optimizer waits for the last step's
+    write-backs (``_synchronize``, a no-op unless some state is streamed): it must wait while
+    the dropped state still counts as streamed, or a full reset waits for nothing."""
+    params, opt = _run(_init(torch.float32), steps=1, offload=True, chunk_bytes=3000)
+    streamed_when_waiting, wait = [], opt._synchronize
+
+    def spy():
+        streamed_when_waiting.append(len(opt._streamed))
+        wait()
+
+    monkeypatch.setattr(opt, "_synchronize", spy)
+    opt.state = defaultdict(dict)
+    opt.step()
+    assert streamed_when_waiting[:1] == [len(params)]

@@ -203,8 +203,10 @@ class StateMixin:
         store, infos = self._store, []
         dropped = [p for _, p in missing if p in store.formats]
         if dropped:
+            # No write-back may land in bytes about to be reused (while the store still knows
+            # that state is streamed: ``_synchronize`` waits only then).
+            self._synchronize()
             store.forget(dropped)
-            self._synchronize()  # no write-back still lands in bytes that may be reused
         for i, (gi, p) in enumerate(missing):
             nbytes = self._plan_bytes(p, hypers[gi])
             resident = not self.offload or (
