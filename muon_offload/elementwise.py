@@ -35,6 +35,7 @@ class AdamWUpdate(Algorithm):
             weight_decay=h.weight_decay,
             step=job.step,
             scalars=job.scalars,
+            grad_index=job.grad_index,
         )
 
 
@@ -58,4 +59,5 @@ class LionUpdate(Algorithm):
             beta2=h.beta2,
             weight_decay=h.weight_decay,
             scalars=job.scalars,
+            grad_index=job.grad_index,
         )

@@ -19,6 +19,8 @@ from .hyper import (
     Hyper,
     adjusted_lr,
     check_beta,
+    matrix_count,
+    matrix_view_shape,
     read_hyper,
     split_lr_scales,
 )
@@ -47,6 +49,13 @@ class MuonUpdate(Algorithm):
         )
         return (h.mu, 0.0, 0.0, 0.0, h.eps, 0.0, 0.0, 0.0, *apply)
 
+    def grad_pieces(self, hyper: Hyper, shape: tuple) -> tuple[int, ...]:
+        """One piece a matrix, as ``update`` cuts a parameter (``_matrices``)."""
+        if hyper.flatten or len(shape) == 2:
+            return (0,)
+        rows, cols = matrix_view_shape(shape, False)
+        return tuple(k * rows * cols for k in range(matrix_count(shape, False)))
+
     def baked(self, hyper: Hyper) -> tuple:
         h = hyper
         # A callable orthogonalizer takes eps as a Python number (dion's signature).
@@ -73,10 +82,12 @@ class MuonUpdate(Algorithm):
         mu = h.mu if row is None else row[0:1]
         if ms[0].numel() and job.quantized:
             update, sumsq = dispatch.muon_prep8(
-                job.backend, ms, scales, gs, mu=mu, nesterov=h.nesterov
+                job.backend, ms, scales, gs, mu=mu, nesterov=h.nesterov, grad_index=job.grad_index
             )
         elif ms[0].numel():
-            update, sumsq = dispatch.muon_prep(job.backend, ms, gs, mu=mu, nesterov=h.nesterov)
+            update, sumsq = dispatch.muon_prep(
+                job.backend, ms, gs, mu=mu, nesterov=h.nesterov, grad_index=job.grad_index
+            )
         else:  # an empty shard still takes part in every collective
             update = torch.empty((len(ms), *ms[0].shape), dtype=torch.bfloat16, device=ms[0].device)
             sumsq = torch.zeros(len(ms), dtype=torch.float32, device=ms[0].device)

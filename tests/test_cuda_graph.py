@@ -163,30 +163,36 @@ def test_eager_then_capture_then_replay_equal_to_eager(monkeypatch):
     assert opt_b.graph_stats() is None
 
 
-def test_gradients_moved_once_recapture(monkeypatch):
+def test_gradients_at_new_addresses_keep_replaying(monkeypatch):
+    """The kernels read gradients' addresses from the step's gradient table: new gradient
+    tensors (torch's default zero_grad()) are no reason to capture again. Replays of new
+    gradients, bit for bit: test_graph_fresh_grads.py."""
     params, made = _params(), []
     opt = _muon(params, True, monkeypatch, made)
-    kept = []
     for s in range(7):
-        _grads(params, s, move=(s == 3))
-        kept.append([p.grad for p in params])  # old gradients stay alive: new addresses
+        _grads(params, s, move=s >= 3)  # from step 3 on, a new tensor every step
         opt.step()
-    # 0 eager, 1 capture, 2 replay, 3 moved: dropped, eager, 4 capture, 5-6 replay
-    assert made[0].was_reset and not made[1].was_reset
-    assert opt.graph_stats()["captures"] == 2 and opt.graph_stats()["replays"] == 3
+    # 0 eager, 1 capture, 2-6 replay
+    assert len(made) == 1 and not made[0].was_reset
+    assert opt.graph_stats()["captures"] == 1 and opt.graph_stats()["replays"] == 5
 
 
-def test_gradients_that_move_every_step_give_up_once(monkeypatch, caplog):
+def _move_parameter(params):
+    params[2].data = params[2].data.clone()  # the old storage stays alive: a new address
+
+
+def test_a_parameter_that_moves_every_step_gives_up_once(monkeypatch, caplog):
     params, made, kept = _params(), [], []
     opt = _muon(params, True, monkeypatch, made)
     with caplog.at_level(logging.WARNING, logger="muon_offload.engine.graphs"):
         for s in range(MAX_MISSES + 3):
-            _grads(params, s, move=True)
-            kept.append([p.grad for p in params])
+            _grads(params, s)
+            kept.append(params[2].data)
+            _move_parameter(params)
             opt.step()
     assert not made
     stats = opt.graph_stats()
-    assert stats["off"] and "gradients" in stats["off"]
+    assert stats["off"] and "parameters" in stats["off"]
     warnings = [r for r in caplog.records if "stays eager" in r.getMessage()]
     assert len(warnings) == 1
 
@@ -196,8 +202,10 @@ def test_captures_dropped_before_replay_give_up(monkeypatch):
     params, made, kept = _params(), [], []
     opt = _muon(params, True, monkeypatch, made)
     for s in range(4 * MAX_MISSES):
-        _grads(params, s, move=(s % 2 == 0))
-        kept.append([p.grad for p in params])
+        _grads(params, s)
+        if s % 2 == 0:
+            kept.append(params[2].data)
+            _move_parameter(params)
         opt.step()
     assert opt.graph_stats()["off"] and len(made) < MAX_MISSES + 1
 
@@ -265,17 +273,24 @@ def test_key_names_what_changed(monkeypatch):
     _, _, layouts, _ = opt._plan(work, hypers)
 
     def key():
-        # A step's key reads what that step's checks read (StepWork): check afresh.
+        # A step's key reads what that step's checks read (StepWork), and the gradient table
+        # written for them: check and write afresh.
         _, work, _ = opt._check_step()
+        opt._grad_table.write(layouts, hypers, work)
+        table, grads = opt._scalars.buffer, opt._grad_table.key()
         k, why = graphs.step_key(
-            work, layouts, hypers, opt.state, opt.algorithms, (), opt._scalars.buffer, "triton"
+            work, layouts, hypers, opt.state, opt.algorithms, (), table, "triton", grads
         )
         return k
 
     first = key()
     assert key() == first
-    params[0].grad = params[0].grad.clone()
+    params[0].grad = params[0].grad.clone()  # a new address: read from the gradient table
+    assert key() == first
+    params[0].grad_dtype = None  # torch >= 2.12 asks before a gradient of another dtype
+    params[0].grad = params[0].grad.to(torch.bfloat16)
     assert "gradients" in graphs.changed(key(), first)
+    params[0].grad = params[0].grad.float()
     moved = key()
     params[1].data = params[1].data.clone()
     assert graphs.changed(key(), moved).startswith("the parameters")
@@ -358,11 +373,12 @@ def test_auto_gives_up_at_info_level(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="muon_offload.engine.graphs"):
         for s in range(MAX_MISSES + 3):
             _grads(params, s, move=True)
-            kept.append([p.grad for p in params])
+            kept.append(params[2].data)
+            _move_parameter(params)
             opt.step()
     records = [r for r in caplog.records if "stays eager" in r.getMessage()]
     assert len(records) == 1 and records[0].levelno == logging.INFO
-    assert not made and "gradients" in opt.graph_stats()["off"]
+    assert not made and "parameters" in opt.graph_stats()["off"]
 
 
 def test_auto_accepts_what_true_refuses():

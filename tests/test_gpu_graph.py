@@ -1,8 +1,8 @@
 """``cuda_graph=True`` (and the default "auto") on a GPU: replayed steps equal eager steps bit
 for bit (Muon with fp32, bf16 and 8-bit state, AdamW; resident and offloaded), hyper-parameter
-changes reach the replay,
-moved gradients and ``load_state_dict`` re-capture. Each test runs the same steps on an
-optimizer without graphs and compares weights and state exactly.
+changes reach the replay, gradients that backward allocates afresh every step (torch's default
+``zero_grad()``) replay too, ``load_state_dict`` re-captures. Each test runs the same steps on
+an optimizer without graphs and compares weights and state exactly.
 
 Run: ``python -m pytest -q -m cuda tests/test_gpu_graph.py -s`` (-s shows the graph pools'
 sizes)."""
@@ -113,10 +113,37 @@ def test_auto_default_replays_as_true_does(kw):
     assert stats["captures"] == 1 and stats["replays"] == 5
 
 
-def test_moved_gradients_recapture_and_stay_exact():
+def test_moved_gradients_keep_replaying_exactly():
     stats = _run_pair("muon", steps=8, move_at=(4,), offload=True, chunk_bytes=1 << 20)
-    # 0 eager, 1 capture, 2-3 replay, 4 moved (eager), 5 capture, 6-7 replay
-    assert stats["captures"] == 2 and stats["replays"] == 4
+    # 0 eager, 1 capture, 2-7 replay: the kernels read gradients through the gradient table
+    assert stats["captures"] == 1 and stats["replays"] == 6
+
+
+@pytest.mark.parametrize(("kind", "kw"), CASES)
+def test_default_zero_grad_loop_replays_bitwise(kind, kw):
+    """The loop users write: backward, step, ``zero_grad()`` at torch's default
+    (set_to_none=True), so every step's gradients are new tensors. "auto" replays after its
+    warm-up, bit for bit the eager optimizer's (cuda_graph=False)."""
+    init = _model()
+    pair = [_make(kind, init, mode, **kw) for mode in ("auto", False)]
+    for s in range(6):
+        for params, opt in pair:
+            gen = torch.Generator(device="cuda").manual_seed(2000 + s)
+            xs = [torch.randn(p.shape, device="cuda", generator=gen) for p in params]
+            sum((p * x).sum() for p, x in zip(params, xs, strict=True)).backward()
+            _schedule(opt, s)
+            opt.step()
+            opt.zero_grad()
+    torch.cuda.synchronize()
+    (graphed, g_opt), (eager, e_opt) = pair
+    for p, q in zip(graphed, eager, strict=True):
+        assert torch.equal(p, q)
+        for k in g_opt.state[p]:
+            assert torch.equal(g_opt.state[p][k], e_opt.state[q][k]), k
+    stats = g_opt.graph_stats()
+    print(f"\n{kind} {kw}: {stats}")
+    # 0 eager, 1 capture, 2-5 replay
+    assert stats["off"] is None and stats["captures"] == 1 and stats["replays"] == 4
 
 
 def test_load_state_dict_drops_the_graph():

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..distributed import Mesh
 from ..hyper import Hyper
+from ..kernels._grad_index import GradIndex
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,10 @@ class UnitJob:
     local, already on the device (a staging view when the state is streamed). ``scalars``:
     on the Triton path, this step's values of ``Algorithm.scalars`` as an fp32 device tensor
     that the kernels read (``engine/scalars.py``); None on the torch path, which takes the
-    Python numbers of ``hyper``."""
+    Python numbers of ``hyper``. ``grad_index``: on the Triton path, where the kernels read
+    the gradients' addresses (this step's gradient table, ``engine/grad_table.py``): one row
+    a piece of ``grads`` as ``Algorithm.grad_pieces`` cuts them, in order; None where the
+    launchers read the gradients' own addresses."""
 
     group: int
     hyper: Hyper
@@ -40,6 +44,7 @@ class UnitJob:
     quantized: bool = False
     scalars: Tensor | None = None
     plain: bool = False  # no DTensor among the parameters: local(p) is p
+    grad_index: GradIndex | None = None
 
 
 class Algorithm:
@@ -62,6 +67,13 @@ class Algorithm:
         device), computed as the kernels' launchers compute them from Python numbers.
         ``shape``: the unit's matrix shape (global) for matrix algorithms, None otherwise."""
         raise NotImplementedError
+
+    def grad_pieces(self, hyper: Hyper, shape: tuple) -> tuple[int, ...]:
+        """The element offsets, within one item's gradient (``shape``: the parameter's; an
+        element-wise item is a flat segment), of the pieces that ``update`` hands its kernels,
+        in that order: the rows of ``UnitJob.grad_index``. One, the whole item, unless the
+        algorithm cuts it (Muon: a stack into matrices)."""
+        return (0,)
 
     def baked(self, hyper: Hyper) -> tuple:
         """What of a group's settings the launches take as constants (compile-time flags, host

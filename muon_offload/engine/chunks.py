@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..distributed import DTensor, Mesh, local, run_tasks
 from ..hyper import Hyper, StepWork
+from ..kernels._grad_index import GradIndex
 from .algorithm import Algorithm, UnitJob
 from .planner import Chunk, MuonUnit, Unit
 
@@ -132,7 +133,11 @@ def chunk_layout(
 
 
 def _job(
-    ctx: StepContext, u: UnitLayout, tensors: Sequence[Tensor] | None, scalars: Tensor | None
+    ctx: StepContext,
+    u: UnitLayout,
+    tensors: Sequence[Tensor] | None,
+    scalars: Tensor | None,
+    grad_index: GradIndex | None,
 ) -> UnitJob:
     if u.algorithm.elementwise:
         locals_ = u.params if u.plain else [local(p) for p in u.params]
@@ -162,6 +167,7 @@ def _job(
         quantized=u.quantized,
         scalars=scalars,
         plain=u.plain,
+        grad_index=grad_index,
     )
 
 
@@ -171,11 +177,13 @@ def run_chunk(
     views: Sequence[Tensor] | None,
     progress: tuple[list[int], list[int]],
     scalars: Sequence[Tensor] | None = None,
+    grads: Sequence[GradIndex] | None = None,
 ) -> None:
     """Run every unit of a chunk on its state (``views``: the staging copies of a streamed
     chunk; None: resident state, updated in place), recording in ``progress`` = (started,
     finished) the index of each unit as it starts and as it finishes. ``scalars``: each
-    unit's row of the step's scalar table (Triton path), or None. Units run as dion-style
+    unit's row of the step's scalar table (Triton path), or None; ``grads``: each unit's
+    rows of the step's gradient table (``grad_table.py``), or None. Units run as dion-style
     tasks, so one unit's collective is in flight while the next computes; the planner puts
     matrix units first, in the same order on every rank."""
     units = layout.units
@@ -185,7 +193,8 @@ def run_chunk(
         started.append(k)
         unit = units[k]
         row = None if scalars is None else scalars[k]
-        running = unit.algorithm.update(_job(ctx, unit, views, row))
+        index = None if grads is None else grads[k]
+        running = unit.algorithm.update(_job(ctx, unit, views, row, index))
         if running is not None:
             yield from running
         done.append(k)

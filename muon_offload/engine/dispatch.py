@@ -26,28 +26,33 @@ def uses_triton(backend: str, device: torch.device) -> bool:
 # ``scalars``: the unit's row of the step's scalar table (``engine/scalars.py``), which the
 # kernels read on the device; without it (a direct call) the launchers make one from the
 # numbers. The torch references always take the numbers.
-def adamw_(backend: str, params, grads, exp_avgs, exp_avg_sqs, *, scalars=None, **hyper) -> None:
+# ``grad_index``: where the kernels read the gradients' addresses (the step's gradient table,
+# ``engine/grad_table.py``), None for the gradients' own; taken with ``scalars`` only.
+def adamw_(
+    backend: str, params, grads, exp_avgs, exp_avg_sqs, *, scalars=None, grad_index=None, **hyper
+) -> None:
     if not _use_triton(backend, params[0]):
         elementwise.adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
     elif scalars is not None:
-        elementwise.adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars)
+        elementwise.adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars, grad_index)
     else:
         elementwise.adamw_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
 
 
-def lion_(backend: str, params, grads, exp_avgs, *, scalars=None, **hyper) -> None:
+def lion_(backend: str, params, grads, exp_avgs, *, scalars=None, grad_index=None, **hyper) -> None:
     if not _use_triton(backend, params[0]):
         elementwise.lion_reference_(params, grads, exp_avgs, **hyper)
     elif scalars is not None:
-        elementwise.lion_from_(params, grads, exp_avgs, scalars)
+        elementwise.lion_from_(params, grads, exp_avgs, scalars, grad_index)
     else:
         elementwise.lion_(params, grads, exp_avgs, **hyper)
 
 
-def muon_prep(backend: str, momentums, grads, *, mu, nesterov: bool):
+def muon_prep(backend: str, momentums, grads, *, mu, nesterov: bool, grad_index=None):
     """``mu``: a number, or (Triton path) the device tensor holding it."""
-    fn = muon.muon_prep if _use_triton(backend, momentums[0]) else muon.muon_prep_reference
-    return fn(momentums, grads, mu=mu, nesterov=nesterov)
+    if _use_triton(backend, momentums[0]):
+        return muon.muon_prep(momentums, grads, mu=mu, nesterov=nesterov, grad_index=grad_index)
+    return muon.muon_prep_reference(momentums, grads, mu=mu, nesterov=nesterov)
 
 
 def muon_apply_(backend: str, params, update: Tensor, *, scalars=None, **hyper) -> None:
@@ -79,7 +84,17 @@ def orthogonalize_apply_(
 # CUDA (H200, triton 3.6, 2026-12-01: equal to the references bit for bit on the GPU, offloaded
 # and resident 8-bit steps the same bits; docs/benchmarks.md), the references elsewhere.
 def adamw8_(
-    backend: str, params, grads, m_codes, m_scales, v_codes, v_scales, *, scalars=None, **hyper
+    backend: str,
+    params,
+    grads,
+    m_codes,
+    m_scales,
+    v_codes,
+    v_scales,
+    *,
+    scalars=None,
+    grad_index=None,
+    **hyper,
 ) -> None:
     from ..kernels import quantized_elementwise as q
 
@@ -87,28 +102,32 @@ def adamw8_(
     if not _use_triton(backend, params[0]):
         q.adamw8_reference_(params, grads, *state, **hyper)
     elif scalars is not None:
-        q.adamw8_from_(params, grads, *state, scalars)
+        q.adamw8_from_(params, grads, *state, scalars, grad_index)
     else:
         q.adamw8_(params, grads, *state, **hyper)
 
 
-def lion8_(backend: str, params, grads, m_codes, m_scales, *, scalars=None, **hyper) -> None:
+def lion8_(
+    backend: str, params, grads, m_codes, m_scales, *, scalars=None, grad_index=None, **hyper
+) -> None:
     from ..kernels import quantized_elementwise as q
 
     if not _use_triton(backend, params[0]):
         q.lion8_reference_(params, grads, m_codes, m_scales, **hyper)
     elif scalars is not None:
-        q.lion8_from_(params, grads, m_codes, m_scales, scalars)
+        q.lion8_from_(params, grads, m_codes, m_scales, scalars, grad_index)
     else:
         q.lion8_(params, grads, m_codes, m_scales, **hyper)
 
 
-def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu, nesterov: bool):
-    from ..kernels import quantized_muon
+def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu, nesterov: bool, grad_index=None):
+    from ..kernels import quantized_muon as q
 
-    triton = _use_triton(backend, m_codes[0])
-    fn = quantized_muon.muon_prep8 if triton else quantized_muon.muon_prep8_reference
-    return fn(m_codes, m_scales, grads, mu=mu, nesterov=nesterov)
+    if _use_triton(backend, m_codes[0]):
+        return q.muon_prep8(
+            m_codes, m_scales, grads, mu=mu, nesterov=nesterov, grad_index=grad_index
+        )
+    return q.muon_prep8_reference(m_codes, m_scales, grads, mu=mu, nesterov=nesterov)
 
 
 def orthogonalize_batch(

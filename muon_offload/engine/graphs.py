@@ -10,21 +10,25 @@ the graph keeps, so:
 
 - runtime scalars (learning rates, decays, bias corrections, mu, eps) are read by the kernels
   from the step's scalar table (``scalars.py``), which every step, eager or replayed, fills;
+- gradients' addresses likewise, from the step's gradient table (``grad_table.py``): torch's
+  default ``zero_grad()`` has backward allocate them afresh every step;
 - everything else the graph captured by address or as a constant is the graph's key
-  (``step_key``): the plan, every parameter's and gradient's address, shape and dtype, every
-  state tensor's address, the staging arena, the scalar table's buffer, the backend and what
-  each group's launches take as constants (``Algorithm.baked``: Muon's nesterov, ``adjust_lr``,
-  ...). While the key holds, the graph replays; when it changes, the graph is dropped, the
-  next step runs eagerly and the one after captures again. A plan made afresh (state created
-  or loaded, new budgets) is a new key, so ``load_state_dict`` drops the graph.
+  (``step_key``): the plan, every parameter's address, shape and dtype, every gradient's
+  dtype and 16-byte alignment, every state tensor's address, the staging arena, the scalar
+  and gradient tables' buffers, the backend and what each group's launches take as
+  constants (``Algorithm.baked``: Muon's nesterov, ``adjust_lr``, ...). While the key holds,
+  the graph replays; when it changes, the graph is dropped, the next step runs eagerly and
+  the one after captures again. A plan made afresh (state created or loaded, new budgets) is
+  a new key, so ``load_state_dict`` drops the graph.
 
 Sequence (``StepGraphs.step``): eager steps until a step's key equals the last step's (state
 exists, every kernel is compiled and tuned, every pointer table built), then capture (on a side
 stream, where the eager steps also ran, as torch asks) and replay that step; replay after.
 Nothing may allocate host memory, copy from pageable memory or tune under capture: a miss
 raises ``CaptureMiss`` (kernels/_launch.py) and graphs are turned off, eagerly. After
-``MAX_MISSES`` steps in a row that could not replay (gradients at new addresses every step),
-the optimizer stays eager (logged once: a warning with ``True``, INFO with ``"auto"``).
+``MAX_MISSES`` steps in a row that could not replay (a parameter moved every step, gradients
+that are not contiguous), the optimizer stays eager (logged once: a warning with ``True``,
+INFO with ``"auto"``).
 
 Pointer tables read by the graph are held with it (``TableCache.holding``); temporaries live in
 the graph's private memory pool (``pool_bytes``: about one step's peak of temporaries; memory
@@ -56,7 +60,7 @@ MAX_MISSES = 4  # steps in a row that could not replay before graphs are given u
 class GraphKey(NamedTuple):
     plan: int  # id of the plan's chunk layouts (held with the graph: never reused meanwhile)
     params: tuple  # each parameter's address, shape, dtype
-    grads: tuple  # each gradient's address, shape, dtype
+    grads: tuple  # the gradient table's key (GradTable.key), each gradient's dtype
     state: tuple  # each state tensor's address
     staging: tuple  # the staging arena: address and size (the chunks' places depend on it)
     table: tuple  # the scalar table's buffer: address, size
@@ -66,8 +70,7 @@ class GraphKey(NamedTuple):
 WHAT = {
     "plan": "the plan (state created or loaded, other parameters with gradients, new budgets)",
     "params": "the parameters' addresses, shapes or dtypes",
-    "grads": "the gradients' addresses, shapes or dtypes (keep them in place: "
-    "zero_grad(set_to_none=False))",
+    "grads": "the gradients' dtypes or 16-byte alignment, or the gradient table",
     "state": "the state tensors' addresses",
     "staging": "the staging arena",
     "table": "the scalar table",
@@ -76,21 +79,24 @@ WHAT = {
 
 
 def step_key(
-    work, layouts, hypers, state: dict, algorithms: dict, staging, table: Tensor, backend: str
+    work, layouts, hypers, state: dict, algorithms: dict, staging, table, backend: str, grads
 ) -> tuple[GraphKey | None, str]:
     """This step's key, or None and why the step cannot be captured. ``work``: the step's
     ``StepWork``, whose parameters, gradients, shapes and dtypes were read by its checks (the
-    gradients' shapes are the parameters', or the checks would have raised)."""
+    gradients' shapes are the parameters', or the checks would have raised). ``grads``: the
+    gradient table's key for this step (``GradTable.key``; None: no table)."""
     if not isinstance(work, StepWork):
         work = StepWork(work).read()
-    params, grads = work.params, work.grads
+    params = work.params
     if work.pointers is not None:  # read with the step's checks
-        param_ptrs, grad_ptrs, contiguous = work.pointers
+        param_ptrs, _, contiguous = work.pointers
     else:
-        contiguous = all(map(Tensor.is_contiguous, grads))
-        param_ptrs, grad_ptrs = tuple(map(_ptr, params)), tuple(map(_ptr, grads))
+        contiguous = all(map(Tensor.is_contiguous, work.grads))
+        param_ptrs = tuple(map(_ptr, params))
     if not contiguous:
         return None, "a gradient is not contiguous (the step copies it afresh each time)"
+    if grads is None:
+        return None, "the kernels read the gradients' own addresses (no gradient table)"
     baked = (backend,) + tuple((h.algorithm, algorithms[h.algorithm].baked(h)) for h in hypers)
     # Every state tensor, parameter by parameter, key by key: C-level passes, no Python loop;
     # the dicts as the step found them (``_ensure_state``), else looked up.
@@ -99,7 +105,7 @@ def step_key(
     key = GraphKey(
         plan=id(layouts),
         params=(param_ptrs, work.shapes, work.dtypes),
-        grads=(grad_ptrs, work.shapes, work.grad_dtypes),
+        grads=(grads, work.grad_dtypes),
         state=tuple(map(_ptr, tensors)),
         staging=tuple((t.data_ptr(), t.numel()) for t in staging),
         table=(table.data_ptr(), table.numel()),
@@ -388,6 +394,7 @@ class GraphMixin:
                 sched.staging_buffers,
                 table,
                 self.backend,
+                self._grad_table and self._grad_table.key(),
             )
         self._graphs.step(key, why, layouts, body)
 

@@ -47,6 +47,7 @@ from . import graphs
 from .algorithm import Algorithm
 from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk
+from .grad_table import GradTable, grad_table
 from .graphs import GraphMixin, StepGraphs
 from .interrupt import interrupted
 from .introspect import ToolsSurface
@@ -150,6 +151,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
+        self._grad_table: GradTable | None = None  # the step's gradient addresses (Triton path)
         self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
         self._timeline_marks: list | None = None  # set inside ``timeline()``
@@ -291,8 +293,10 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
     def _check_step(self) -> tuple[list[Hyper], StepWork, torch.device | None]:
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
         last = self._plans.last  # its pairs, reused if the same parameters step again
-        # The graph's key (the last step computed one) reads pointers with the checks.
-        keyed = self._graphs is not None and self._graphs.off is None
+        # The gradient table and the graph's key (if the last step made them) read pointers
+        # with the checks.
+        graphed = self._graphs is not None and self._graphs.off is None
+        keyed = graphed or self._grad_table is not None
         work, device = step_work(self.param_groups, last and last[1][4], keyed)
         if device is not None and self.offload and device.type != "cuda":
             if torch.cuda.is_available():
@@ -332,6 +336,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         # The kernels' scalars (this step's counts) on the device, before the counts advance.
         self._scalars = scalar_table(self._scalars, self.backend, device)
         rows = self._scalars and self._scalars.write(layouts, hypers, steps)
+        self._grad_table = grad_table(self._grad_table, self.backend, device)
+        grad_rows = self._grad_table and self._grad_table.write(layouts, hypers, work)
         for group in self.param_groups:
             group["step"] += 1
         progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
@@ -340,7 +346,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         )
 
         def update(i: int, views: Sequence[Tensor] | None) -> None:
-            run_chunk(ctx, layouts[i], views, progress[i], None if rows is None else rows[i])
+            run_chunk(
+                ctx, layouts[i], views, progress[i], rows and rows[i], grad_rows and grad_rows[i]
+            )
 
         try:
             # Maybe a graph; "auto" runs a step with a closure eagerly (the closure's work and
