@@ -19,11 +19,8 @@ Results go to a JSON file per GPU name and Triton version (``MUON_OFFLOAD_CACHE_
 ``~/.cache/muon_offload``). Under the interpreter (``TRITON_INTERPRET=1``) every kernel uses
 its single interpreter config and nothing is tuned.
 
-Keys hold size classes (``bucket``, ``shape_class``), not exact sizes, and the timing runs on
-the class's representative sizes, so a choice is a function of the shape alone. The package
-ships tables in the same format for the GPUs and Triton versions it was measured on
-(``tuned/``): a key missing from the user's cache takes the shipped decision of its own class,
-else of the nearest class with the same other fields, and only a GPU without a table tunes.
+Keys hold size classes (``bucket``, ``shape_classes.py``) and the timing runs on a class's sizes,
+so a choice depends on the shape alone; ``shipped_tables.py`` decides keys the cache lacks.
 """
 
 from __future__ import annotations
@@ -32,17 +29,19 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from .config import Config
+from .shipped_tables import ShippedTables
 
 # Address alignment (bytes) that the kernels may promise the compiler for 16-byte accesses.
 ALIGN_BYTES = 16
@@ -79,41 +78,6 @@ def autotune_enabled() -> bool:
 def bucket(n: int) -> int:
     """Next power of two: tuning keys grow by doubling, so new sizes rarely re-tune."""
     return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def shape_class(n: int) -> int:
-    """The class a matrix dimension is tuned in: the next power of two up to 128, then the next
-    multiple of 128 (the tiles' sides are 64 to 256, so within a class they cut the matrix
-    alike). The bench workloads' dimensions are their own classes."""
-    return bucket(n) if n <= 128 else -(-int(n) // 128) * 128
-
-
-# Below this many rows the persistent TMA kernels of the 2-D products were slower than the
-# pointer kernels on the H200 (about 10% faster from the 768 x 2048 class up: docs/design.md),
-# so smaller classes do not time them.
-TMA_MIN_ROWS = 512
-
-
-def fitting(configs: Sequence[Config], rows: int, cols: int | None = None) -> tuple[Config, ...]:
-    """The candidates worth timing for a product whose output tiles cover ``rows`` x ``cols``
-    (classes): tiles at most the class's size in each dimension (at least 64, the smallest
-    tile), TMA kernels only from TMA_MIN_ROWS rows. Never empty: the smallest-tiled
-    candidates are kept when none fits."""
-    cols = rows if cols is None else cols
-
-    def fits(c: Config) -> bool:
-        tile_rows = c.block_m or c.block
-        return (
-            tile_rows <= max(64, rows)
-            and c.block <= max(64, cols)
-            and (not c.tma or rows >= TMA_MIN_ROWS)
-        )
-
-    kept = tuple(c for c in configs if fits(c))
-    if kept:
-        return kept
-    smallest = min((c.block_m or c.block) * c.block for c in configs)
-    return tuple(c for c in configs if (c.block_m or c.block) * c.block == smallest)
 
 
 def tuning_batch(elements: int) -> int:
@@ -237,57 +201,16 @@ def all_aligned(lists: Sequence[Sequence[Tensor]]) -> bool:
     return all(t.data_ptr() % ALIGN_BYTES == 0 for tensors in lists for t in tensors)
 
 
-@dataclass(frozen=True)
-class Config:
-    """A launch configuration. ``block`` elements per tile; ``chunk`` elements per program
-    (multi-tensor kernels) or ``block_m`` x ``block`` tiles (2-D kernels)."""
-
-    block: int
-    chunk: int = 0
-    block_m: int = 0
-    num_warps: int = 4
-    num_stages: int = 1
-    # The persistent TMA kernels of the 2-D products (16-bit layouts that TMA accepts,
-    # ``tma_layout``): ``programs_per_sm`` sizes their grid, ``flatten`` and
-    # ``warp_specialize`` are the ``tl.range`` options of their loop over (matrix, tile) items.
-    tma: bool = False
-    programs_per_sm: int = 1
-    flatten: bool = False
-    warp_specialize: bool = False
-
-    def label(self) -> str:
-        parts = [f"block={self.block}"]
-        if self.chunk:
-            parts.append(f"chunk={self.chunk}")
-        if self.block_m:
-            parts.append(f"block_m={self.block_m}")
-        parts.append(f"warps={self.num_warps}")
-        if self.num_stages != 1:  # configs that differ only in stages must not share a label
-            parts.append(f"stages={self.num_stages}")
-        if self.tma:
-            parts.append(f"tma x{self.programs_per_sm}/sm")
-            parts += ["flatten"] * self.flatten + ["ws"] * self.warp_specialize
-        return " ".join(parts)
-
-
 @functools.cache
 def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
 _LOG = logging.getLogger("muon_offload")
-
-# The tables shipped with the package: ``tune-<GPU name>-triton<version>.json``, as
-# ``muon-offload tune`` writes them.
-SHIPPED_DIR = Path(__file__).with_name("tuned")
-
-
-def _size_fields(name: str) -> tuple[str, tuple[str, ...], tuple[float, ...]] | None:
-    """A cache key split into (kernel, its other fields, log2 of its size fields)."""
-    kernel, *fields = name.split("|")
-    sizes = tuple(math.log2(int(f)) for f in fields if f.isdigit() and int(f) > 0)
-    others = tuple("#" if f.isdigit() else f for f in fields)
-    return kernel, others, sizes
+NOTICE = (
+    "muon-offload: timing kernel configs for shapes new to this GPU (seconds a shape class, "
+    "once; cached in %s; MUON_OFFLOAD_AUTOTUNE=0 takes each kernel's first config)"
+)
 
 
 class Tuner:
@@ -296,7 +219,7 @@ class Tuner:
 
     def __init__(self) -> None:
         self._memory: dict[str, dict] = {}
-        self._shipped: dict[str, dict[str, dict]] = {}  # file name -> its table
+        self._shipped = ShippedTables()
         self._said = False  # the first-tuning notice is given once a process
         self._loaded: set[str] = set()
         self._lock = threading.Lock()
@@ -321,50 +244,12 @@ class Tuner:
         with contextlib.suppress(OSError, ValueError):
             self._memory.update(json.loads(path.read_text()))
 
-    def _shipped_table(self, path: Path) -> dict[str, dict]:
-        table = self._shipped.get(path.name)
-        if table is None:
-            table = {}
-            with contextlib.suppress(OSError, ValueError):
-                table = json.loads((SHIPPED_DIR / path.name).read_text())
-            self._shipped[path.name] = table
-        return table
-
-    def _shipped_choice(self, path: Path, name: str, configs: Sequence[Config]):
-        """The shipped table's entry for ``name``'s class, else for the nearest class of the
-        same kernel and other fields whose config is a candidate here; (entry, config) or
-        None. Nearest: the least sum of log2 distances of the size fields, ties to the
-        smaller name (so the choice depends on the key and the table alone)."""
-        table = self._shipped_table(path)
-        if not table:
-            return None
-        entry = table.get(name)
-        config = _cached_config(entry, configs) if entry else None
-        if config is not None:
-            return entry, config
-        kernel, others, sizes = _size_fields(name)
-        best = None
-        for other, entry in table.items():
-            o_kernel, o_others, o_sizes = _size_fields(other)
-            if (o_kernel, o_others) != (kernel, others) or len(o_sizes) != len(sizes):
-                continue
-            config = _cached_config(entry, configs)
-            if config is None:
-                continue
-            distance = sum(abs(a - b) for a, b in zip(sizes, o_sizes, strict=True))
-            if best is None or (distance, other) < best[:2]:
-                best = (distance, other, entry, config)
-        return None if best is None else best[2:]
-
-    def _notice(self, path: Path) -> None:
+    def _notice(self, name: str, path: Path) -> None:
+        """Once a process, a warning that tuning runs (where, how to skip); each key at INFO."""
         if not self._said:
             self._said = True
-            _LOG.warning(
-                "muon-offload: timing kernel configs for shapes this GPU has no choice for yet "
-                "(a few seconds for each new shape class, once: the choices are cached in %s). "
-                "MUON_OFFLOAD_AUTOTUNE=0 skips tuning and takes each kernel's first config.",
-                path,
-            )
+            _LOG.warning(NOTICE, path)
+        _LOG.info("muon-offload: tuning %s", name)
 
     def _save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -396,22 +281,19 @@ class Tuner:
             path = self.cache_path(device)
             self._load(path)
             hit = self._memory.get(name)
-        cached = _cached_config(hit, configs)
-        if cached is not None and not (force or self.retune):
-            self.last[kernel] = {"key": name, **hit}
-            self._chosen[fast_key] = cached
-            return cached
-        shipped = None if force or self.retune else self._shipped_choice(path, name, configs)
-        if shipped is not None:
-            entry, config = shipped
-            self.last[kernel] = {"key": name, **entry}
-            self._chosen[fast_key] = config
-            return config
+        if not (force or self.retune):  # the user's cache, else the package's tables
+            pick = functools.partial(_cached_config, configs=configs)
+            cached = pick(hit)
+            found = (hit, cached) if cached else self._shipped.choice(path.name, name, pick)
+            if found is not None:
+                self.last[kernel] = {"key": name, **found[0]}
+                self._chosen[fast_key] = found[1]
+                return found[1]
         if bench is None:
             return configs[0]
         if capturing(device):
             raise CaptureMiss(f"{kernel} was not tuned for {key} before the capture")
-        self._notice(path)
+        self._notice(name, path)
         timings, failures = [], []
         for config in configs:
             try:

@@ -31,14 +31,13 @@ from ._launch import (
     bench_ms,
     bucket,
     dtype_name,
-    fitting,
-    shape_class,
     tuning_batch,
 )
 from ._tma import tma_enabled, tma_layout
 from ._triton import tl, triton
 from .gram_tma import _epilogue, _launch_tma, _lower_tile
 from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
+from .shape_classes import fitting, shape_class
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
 # Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles

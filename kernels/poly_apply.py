@@ -30,8 +30,6 @@ from ._launch import (
     bucket,
     check_scalars,
     dtype_name,
-    fitting,
-    shape_class,
     tuning_batch,
 )
 from ._tma import tma_enabled, tma_layout
@@ -39,6 +37,7 @@ from ._triton import tl, triton
 from .gram import MAX_GRID_Y, _scratch, _scratch_scale
 from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
 from .poly_apply_tma import ApplyArgs, ParamApply, _epilogue, _launch_tma, apply_kernel_args
+from .shape_classes import fitting, shape_class
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
 # Measured on the H200 (bench/orthogonalize.py and a sweep, 2026-11-29): 128 x 256 tiles with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from _kernel_utils import tuning_as_on_a_gpu
-from muon_offload.kernels import _launch, tuning
+from muon_offload.kernels import _launch, shape_classes, shipped_tables, tuning
 
 
 def test_retuning_is_scoped_and_restored_after_an_error():
@@ -68,9 +68,16 @@ def test_a_cached_decision_outside_the_candidates_is_tuned_again(monkeypatch, tm
 
 
 def test_shape_classes():
-    assert [_launch.shape_class(n) for n in (1, 5, 17, 64, 100, 128)] == [1, 8, 32, 64, 128, 128]
+    assert [shape_classes.shape_class(n) for n in (1, 5, 17, 64, 100, 128)] == [
+        1,
+        8,
+        32,
+        64,
+        128,
+        128,
+    ]
     # Past 128, multiples of 128: the bench workloads' dimensions are their own classes.
-    assert [_launch.shape_class(n) for n in (129, 333, 768, 1000, 2048)] == [
+    assert [shape_classes.shape_class(n) for n in (129, 333, 768, 1000, 2048)] == [
         256,
         384,
         768,
@@ -83,17 +90,17 @@ def test_fitting_drops_tiles_larger_than_the_class_and_tma_below_its_rows():
     from muon_offload.kernels.gram import GRAM_CONFIGS
     from muon_offload.kernels.poly_apply import POLY_APPLY_CONFIGS
 
-    small = _launch.fitting(GRAM_CONFIGS, 64)
+    small = shape_classes.fitting(GRAM_CONFIGS, 64)
     assert small and all(c.block == 64 and not c.tma for c in small)
-    assert set(_launch.fitting(GRAM_CONFIGS, 2048)) == set(GRAM_CONFIGS)
-    mid = _launch.fitting(GRAM_CONFIGS, 384)
+    assert set(shape_classes.fitting(GRAM_CONFIGS, 2048)) == set(GRAM_CONFIGS)
+    mid = shape_classes.fitting(GRAM_CONFIGS, 384)
     assert not any(c.tma for c in mid) and any(c.block == 128 for c in mid)
-    wide = _launch.fitting(POLY_APPLY_CONFIGS, 128, 4096)
+    wide = shape_classes.fitting(POLY_APPLY_CONFIGS, 128, 4096)
     assert {c.block_m for c in wide} == {64, 128} and not any(c.tma for c in wide)
-    narrow = _launch.fitting(POLY_APPLY_CONFIGS, 1024, 128)
+    narrow = shape_classes.fitting(POLY_APPLY_CONFIGS, 1024, 128)
     assert all(c.block <= 128 for c in narrow) and any(c.tma for c in narrow)
     # A class smaller than every tile keeps the smallest-tiled candidates, never none.
-    tiny = _launch.fitting(POLY_APPLY_CONFIGS, 8, 8)
+    tiny = shape_classes.fitting(POLY_APPLY_CONFIGS, 8, 8)
     assert tiny and {(c.block_m, c.block) for c in tiny} in ({(64, 256)}, {(128, 64)})
 
 
@@ -105,7 +112,7 @@ def _shipped(monkeypatch, tmp_path, table):
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "t.json").write_text(json.dumps(table))
-    monkeypatch.setattr(_launch, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(shipped_tables, "SHIPPED_DIR", shipped)
     return tuner
 
 
