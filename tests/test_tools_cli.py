@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from muon_offload.tools import cli, demo
+from muon_offload.tools import cli, demo, tune
 from muon_offload.tools.bench import command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,3 +167,41 @@ def test_bench_warns_before_a_gpu_sized_workload_on_the_cpu(monkeypatch, capsys,
 
 def test_bench_on_tiny_does_not_warn(monkeypatch, capsys, tmp_path):
     assert "warning" not in _bench_until_run(monkeypatch, capsys, tmp_path, "--workload", "tiny")
+
+
+def test_tune_state_dtype_offers_int8(capsys):
+    assert tune._parse(["--state-dtype", "int8"]).state_dtype == "int8"
+    with pytest.raises(SystemExit) as exit_info:
+        tune._parse(["--state-dtype", "int4"])
+    assert exit_info.value.code == 2
+    assert "choose from 'bf16', 'fp32', 'int8'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_tune_refuses_without_a_gpu(capsys):
+    assert cli.main(["tune", "--state-dtype", "int8"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "state_dtype, kernels",
+    [
+        ("fp32", {"adamw", "muon_prep", "muon_apply"}),
+        # tiny's 48x96 matrices and 100x48 embedding hold 8-bit state; its 33x70 matrices and
+        # norms are under 4,096 elements and keep fp32 state.
+        ("int8", {"adamw", "adamw8", "muon_prep", "muon_prep8", "muon_apply"}),
+    ],
+)
+def test_tune_launches_the_kernels_of_the_state_dtype(state_dtype, kernels):
+    """The kernels ``tune`` times: on a GPU, timing each config; on the CPU, run once under the
+    interpreter (nothing timed)."""
+    args = tune._parse(["--workload", "tiny", "--layers", "1", "--state-dtype", state_dtype])
+    rows = tune.tune_kernels(args, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    assert {r["kernel"] for r in rows} == kernels
+    prep = {r["shape"]: r["kernel"] for r in rows if r["kernel"].startswith("muon_prep")}
+    if state_dtype == "int8":
+        assert prep == {
+            "2 x 48x96": "muon_prep8",
+            "1 x 96x48": "muon_prep8",
+            "1 x 33x70": "muon_prep",
+        }
