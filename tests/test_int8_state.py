@@ -105,3 +105,89 @@ def test_adamw_int8_and_bad_input():
     assert opt.state[p]["exp_avg_codes"].dtype == torch.int8
     with pytest.raises(ValueError, match="state_dtype"):
         AdamW([p], state_dtype=torch.float16)
+
+
+# ------------------------------------------- a failed 8-bit load changes nothing, steps still
+
+
+def _stack_opt(flatten, state_dtype=torch.int8, seed=0):
+    """A 3-D stack (8-bit scales one row a matrix unless ``flatten``) and an AdamW vector."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((3, 32, 160), (5000,))]
+    groups = [dict(params=params[:1], flatten=flatten), dict(params=params[1:], algorithm="adamw")]
+    opt = Muon(groups, lr=0.02, state_dtype=state_dtype)
+    _run(None, None, steps=1, params=params, opt=opt)
+    return params, opt
+
+
+def _saved(state_dict):
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _assert_load_fails_and_changes_nothing(params, opt, bad):
+    before = _saved(opt.state_dict())
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert [{k: v for k, v in g.items() if k != "params"} for g in after["param_groups"]] == [
+        {k: v for k, v in g.items() if k != "params"} for g in before["param_groups"]
+    ]
+    assert after["state"].keys() == before["state"].keys()
+    for i, values in before["state"].items():
+        assert after["state"][i].keys() == values.keys()
+        for key, value in values.items():
+            assert torch.equal(after["state"][i][key], value), (i, key)
+    _run(None, None, steps=1, start=5, params=params, opt=opt)  # and it still steps
+
+
+def _edited(opt, fn):
+    sd = _saved(opt.state_dict())
+    fn(sd["state"])
+    return sd
+
+
+@pytest.mark.parametrize("state_dtype", [torch.int8, None])
+def test_a_failed_load_of_8bit_state_changes_nothing(state_dtype):
+    """Scales of another layout (a stack saved with flatten=False loaded where flatten=True has
+    made its state), truncated scales, codes of the other kind: refused before anything is
+    written, into 8-bit state and (decoded) into dense state."""
+    _, saved_opt = _stack_opt(flatten=False)
+    unflattened = _saved(saved_opt.state_dict())
+    params, opt = _stack_opt(flatten=True, state_dtype=state_dtype)
+    cases = {
+        "another layout": unflattened,
+        "truncated scales": _edited(
+            saved_opt, lambda s: s[0].update(momentum_scales=s[0]["momentum_scales"][:, :-1])
+        ),
+        "truncated vector scales": _edited(
+            saved_opt, lambda s: s[1].update(variance_scales=s[1]["variance_scales"][:-1])
+        ),
+        "variance codes signed": _edited(
+            saved_opt, lambda s: s[1].update(variance_codes=s[1]["variance_codes"].to(torch.int8))
+        ),
+    }
+    if state_dtype is None:  # decoded into dense state: either self-consistent layout loads
+        del cases["another layout"]
+    for name, bad in cases.items():
+        _assert_load_fails_and_changes_nothing(params, opt, bad)
+        assert name  # for the traceback
+
+
+def test_an_8bit_checkpoint_of_another_layout_loads_into_fresh_or_dense_state():
+    """What does fit still loads: into an optimizer without state yet (its group takes the
+    saved flatten, and its state that layout), and decoded into dense state."""
+    _, saved_opt = _stack_opt(flatten=False)
+    saved = _saved(saved_opt.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((3, 32, 160), (5000,))]
+    groups = [dict(params=params[:1], flatten=True), dict(params=params[1:], algorithm="adamw")]
+    fresh = Muon(groups, lr=0.02, state_dtype=torch.int8)
+    fresh.load_state_dict(saved)
+    assert fresh.state[params[0]]["momentum_scales"].shape == (3, 20)
+    _run(None, None, steps=1, params=params, opt=fresh)
+    dense_params, dense = _stack_opt(flatten=False, state_dtype=None)
+    dense.load_state_dict(saved)
+    _run(None, None, steps=1, params=dense_params, opt=dense)

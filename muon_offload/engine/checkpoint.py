@@ -2,8 +2,10 @@
 tensors, and copies of an optimizer (``copy.deepcopy``, ``pickle``, ``torch.save(opt)``).
 
 Everything is checked before anything is written: a state dict that does not fit raises
-``ValueError`` with the optimizer exactly as it was. Host slabs stay where they are; loaded
-values are copied into them (or into resident state), converting dtype and device.
+``ValueError`` with the optimizer exactly as it was (8-bit state included: codes of each state
+kind's dtype, scales of the layout the loaded groups give, in the live state as in the loaded
+one). Host slabs stay where they are; loaded values are copied into them (or into resident
+state), converting dtype and device.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import DTensor, local, resolve_mesh
-from ..hyper import Hyper
+from ..hyper import Hyper, matrix_count
 from . import graphs
 from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims
@@ -80,14 +82,15 @@ def check_state(
     saved_groups: list[dict],
     saved_state: Mapping,
     hypers: Sequence[Hyper],
-    state_keys: dict[str, tuple[str, ...]],
+    algorithms: dict,
     scales_shape: Callable[[int, Tensor], torch.Size] | None = None,
 ) -> dict[Tensor, dict[str, tuple[Tensor, ...]]]:
-    """Map each saved entry to its live parameter and check it holds every state key: dense
-    (``key``: the parameter's shape, a floating dtype) or 8-bit (``key_codes`` in the
-    parameter's shape, 8-bit integers; ``key_scales`` fp32). Returns live parameter ->
-    {key: (dense,) or (codes, scales)}, local tensors. ``scales_shape(group, p)``: the local
-    8-bit scales of a DTensor parameter, cut out of their rank-major row (sharded_scales.py)."""
+    """Map each saved entry to its live parameter and check it holds every state key of its
+    group's algorithm: dense (``key``: the parameter's shape, a floating dtype) or 8-bit
+    (``key_codes`` in the parameter's shape, of the dtype of the key's kind; ``key_scales``
+    fp32, of the shape ``scales_shape(group, p)`` gives: this rank's blocks under the loaded
+    groups, cut out of their rank-major row for a DTensor parameter, sharded_scales.py).
+    Returns live parameter -> {key: (dense,) or (codes, scales)}, local tensors."""
     owner = {
         saved_id: (gi, p)
         for gi, (ours, saved) in enumerate(zip(param_groups, saved_groups, strict=True))
@@ -101,10 +104,11 @@ def check_state(
             raise ValueError(f"loaded state names parameter {saved_id!r}, which no group lists")
         gi, p = owner[saved_id]
         where = f"param group {gi} (parameter of shape {tuple(p.shape)})"
-        mine = partial(scales_shape, gi, p) if scales_shape and isinstance(p, DTensor) else None
+        mine = partial(scales_shape, gi, p) if scales_shape else None
+        algorithm = algorithms[hypers[gi].algorithm]
         loaded[p] = {
-            key: _checked_entry(values, key, p, where, mine)
-            for key in state_keys[hypers[gi].algorithm]
+            key: _checked_entry(values, key, kind, p, where, mine)
+            for key, kind in zip(algorithm.state_keys, algorithm.state_kinds, strict=True)
         }
     return loaded
 
@@ -112,16 +116,19 @@ def check_state(
 def _checked_entry(
     values: Mapping,
     key: str,
+    kind: str,
     p: Tensor,
     where: str,
     scales_shape: Callable[[], torch.Size] | None = None,
 ) -> tuple[Tensor, ...]:
     codes, scales = values.get(f"{key}_codes"), values.get(f"{key}_scales")
     if isinstance(codes, Tensor) and isinstance(scales, Tensor):
-        if codes.dtype not in (torch.int8, torch.uint8) or scales.dtype != torch.float32:
+        from ..kernels.quant_maps import CODE_DTYPES  # imported only where 8-bit state is used
+
+        if codes.dtype != CODE_DTYPES[kind] or scales.dtype != torch.float32:
             raise ValueError(
                 f"{where}: loaded 8-bit state {key!r} has codes {codes.dtype} and scales "
-                f"{scales.dtype}; expected int8 or uint8 codes and float32 scales"
+                f"{scales.dtype}; expected {CODE_DTYPES[kind]} codes and float32 scales"
             )
         tensors = (codes, scales)
     else:
@@ -141,9 +148,37 @@ def _checked_entry(
     if len(tensors) == 2:  # a sharded parameter's scales come rank-major (sharded_scales.py)
         scales = strip_rank_dims(tensors[1], f"{where}, {key!r}")
         if scales_shape is not None:
-            scales = crop(scales, scales_shape(), f"{where}, {key!r}")
+            expected = scales_shape()
+            if isinstance(p, DTensor):
+                scales = crop(scales, expected, f"{where}, {key!r}")
+            if tuple(scales.shape) != tuple(expected):
+                raise ValueError(
+                    f"{where}: loaded 8-bit scales of {key!r} have shape "
+                    f"{tuple(scales.shape)}, not {tuple(expected)} (one a block of 256 "
+                    "elements, a row a matrix of a stack unless the group flattens it): "
+                    "truncated, or saved from another layout"
+                )
         return local(tensors[0]), scales
     return tuple(local(t) for t in tensors)
+
+
+def check_live_layout(opt, hypers: Sequence[Hyper]) -> None:
+    """The live 8-bit scales must be laid out as the loaded groups lay them out: a load that
+    changes a group's ``flatten`` cannot re-cut the blocks of a stack whose 8-bit state
+    exists."""
+    for gi, p in opt._params():
+        fmt = opt._store.formats.get(p)
+        if fmt is None or not fmt.quantized:
+            continue
+        expected = tuple(expected_scales_shape(opt, hypers[gi], p))
+        for name, t in opt.state.get(p, {}).items():
+            if name.endswith("_scales") and tuple(local(t).shape) != expected:
+                raise ValueError(
+                    f"param group {gi} (parameter of shape {tuple(p.shape)}): its 8-bit state "
+                    f"has scales of shape {tuple(local(t).shape)}, the loaded group "
+                    f"(flatten={hypers[gi].flatten}) lays them out as {expected}; load the "
+                    "checkpoint into an optimizer whose group has the same flatten"
+                )
 
 
 def detach_aliases(loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]], state: dict) -> None:
@@ -179,8 +214,6 @@ def copy_state(opt, loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]]) -> None
                 continue
             source = loaded[p][key]
             if len(source) == len(targets):  # the same format: copy (casting dense dtypes)
-                if len(source) == 2 and source[1].shape != targets[1].shape:
-                    raise ValueError(f"loaded 8-bit state {key!r}: scales of another layout")
                 for t, v in zip(targets, source, strict=True):
                     t.copy_(v)
             elif fmt.quantized:  # dense into 8-bit
@@ -202,10 +235,13 @@ def _decode(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
     return _int8().decode(codes, scales, kind)
 
 
-def local_scales_shape(opt, gi: int, p: Tensor) -> torch.Size:
-    """The 8-bit scales of one state key of ``p`` on this rank (its local shard's blocks)."""
+def expected_scales_shape(opt, hyper: Hyper, p: Tensor) -> torch.Size:
+    """The 8-bit scales of one state key of ``p`` on this rank (its local shard's blocks) in a
+    group read as ``hyper``: one row a matrix of a Muon stack, unless it flattens."""
     shape = local(p).shape
-    return _int8().scales_shape(shape, opt._matrix_count(gi, shape))
+    elementwise = opt.algorithms[hyper.algorithm].elementwise
+    matrices = 1 if elementwise else matrix_count(shape, hyper.flatten)
+    return _int8().scales_shape(shape, matrices)
 
 
 class CheckpointMixin:
@@ -227,18 +263,18 @@ class CheckpointMixin:
         saved_groups, saved_state = check_structure(state_dict)
         new_groups = check_groups(self.param_groups, saved_groups)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(new_groups)]
-        keys = {name: a.state_keys for name, a in self.algorithms.items()}
         loaded = check_state(
             self.param_groups,
             saved_groups,
             saved_state,
             hypers,
-            keys,
-            lambda gi, p: local_scales_shape(self, gi, p),
+            self.algorithms,
+            lambda gi, p: expected_scales_shape(self, hypers[gi], p),
         )
         self._synchronize()
         detach_aliases(loaded, self.state)
         self._ensure_state(hypers)  # may allocate (and fail) before anything is written
+        check_live_layout(self, hypers)
         for group, new in zip(self.param_groups, new_groups, strict=True):
             group.clear()
             group.update(new)
@@ -283,9 +319,14 @@ class CheckpointMixin:
             self._graph_blocker = self._graph_blocker or graphs.group_blocker(group, None)
         self.state = defaultdict(dict)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
-        keys = {name: a.state_keys for name, a in self.algorithms.items()}
+        algorithms = [self.algorithms[h.algorithm] for h in hypers]
         loaded = {
-            p: {k: _checked_entry(values[p], k, p, "copy") for k in keys[hypers[gi].algorithm]}
+            p: {
+                key: _checked_entry(values[p], key, kind, p, "copy")
+                for key, kind in zip(
+                    algorithms[gi].state_keys, algorithms[gi].state_kinds, strict=True
+                )
+            }
             for gi, p in self._params()
             if values.get(p)
         }
