@@ -14,18 +14,10 @@ from .distributed import local, orthogonalize_replicated, orthogonalize_sharded,
 from .elementwise import AdamWUpdate, LionUpdate
 from .engine import ChunkedOptimizer, dispatch
 from .engine.algorithm import Algorithm, UnitJob
-from .hyper import (
-    ADJUST_LR_MODES,
-    Hyper,
-    adjusted_lr,
-    check_beta,
-    matrix_count,
-    matrix_view_shape,
-    read_hyper,
-    split_lr_scales,
-)
+from .hyper import ADJUST_LR_MODES, Hyper, check_beta, read_hyper
 from .kernels.muon import apply_scalars
 from .kernels.orthogonalize import ORTHOGONALIZERS
+from .muon_shapes import adjusted_lr, matrix_count, matrix_view_shape, split_lr_scales
 
 
 class MuonUpdate(Algorithm):

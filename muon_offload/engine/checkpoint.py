@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from ..distributed import DTensor, local, resolve_mesh
-from ..hyper import Hyper, matrix_count
+from ..hyper import Hyper
+from ..muon_shapes import matrix_count
 from . import graphs
 from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims

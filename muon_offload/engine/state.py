@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..distributed import DTensor, dtensor_around, local
-from ..hyper import Hyper, StepWork, matrix_count, same_objects
+from ..hyper import Hyper, StepWork, same_objects
+from ..muon_shapes import matrix_count
 from .host_slabs import HostSlabs
 from .planner import plan_step, unit_params
 from .sharded_scales import check_placements
