@@ -259,34 +259,15 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             for i, (gi, p) in enumerate(work)
         ]
         plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
-        new = [work[i] for i in plan.oversized if work[i][1] not in self._oversized_logged]
-        if new:  # one notice a plan, not one a matrix (a dense model has dozens)
-            self._oversized_logged.update(p for _, p in new)
-            shapes = Counter((gi, tuple(p.shape)) for gi, p in new)
-            which = ", ".join(f"param group {g}: {s} x {n}" for (g, s), n in shapes.items())
-            log.warning(
-                "%d parameters have more state than chunk_bytes=%d (Muon state counts at fp32"
-                " width at least); each is streamed as a chunk of its own: %s",
-                *(len(new), self.chunk_bytes, which),
-            )
-        transfers = [
-            None
-            if chunk.resident
-            else plan_transfer(self._chunk_state(chunk, work), self._store.host.slab_of)
-            for chunk in plan.chunks
-        ]
+        _say_oversized([work[i] for i in plan.oversized], self._oversized_logged, self.chunk_bytes)
+        transfers = _transfers(plan, self.state, self._store, work)
         layouts = [
-            chunk_layout(
-                chunk, self.state, self._store.formats, work, self.algorithms, self._mesh_of
-            )
-            for chunk in plan.chunks
+            chunk_layout(c, self.state, self._store.formats, work, self.algorithms, self._mesh_of)
+            for c in plan.chunks
         ]
         side = elementwise_only(plan)
         self._plans.keep(key, (plan, transfers, layouts, side, work.pairs_only()))
         return plan, transfers, layouts, side
-
-    def _chunk_state(self, chunk, work) -> list[Tensor]:
-        return chunk_state(self.state, self._store.formats, chunk, work)
 
     # ------------------------------------------------------------------- step
 
@@ -363,3 +344,28 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
                 err.add_note(str(report))
             raise
         return loss
+
+
+def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:
+    """One notice a plan for the (group, parameter) pairs in ``oversized`` not yet named in
+    ``logged`` (not one a matrix: a dense model has dozens); they join ``logged``."""
+    new = [(gi, p) for gi, p in oversized if p not in logged]
+    if new:
+        logged.update(p for _, p in new)
+        shapes = Counter((gi, tuple(p.shape)) for gi, p in new)
+        which = ", ".join(f"param group {g}: {s} x {n}" for (g, s), n in shapes.items())
+        log.warning(
+            "%d parameters have more state than chunk_bytes=%d (Muon state counts at fp32"
+            " width at least); each is streamed as a chunk of its own: %s",
+            *(len(new), chunk_bytes, which),
+        )
+
+
+def _transfers(plan, state, store, work: StepWork) -> list:
+    """Per chunk of ``plan``, its state's host-device transfers; None for a resident chunk."""
+    return [
+        None
+        if chunk.resident
+        else plan_transfer(chunk_state(state, store.formats, chunk, work), store.host.slab_of)
+        for chunk in plan.chunks
+    ]
