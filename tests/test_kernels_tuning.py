@@ -225,3 +225,25 @@ def test_products_time_the_class_not_the_call(monkeypatch):
     assert all(len(v) == 1 for v in keys.values()), keys
     benched = [entry for i, entry in enumerate(launched) if i % 2 == 0]
     assert set(benched) == {("sym_gram", (384, 64), False), ("poly_apply", (384, 64), True)}
+
+
+def test_shipped_tables_name_todays_candidates():
+    """Every decision a shipped table holds is a config some kernel offers today: a table
+    whose configs were retired would be passed over and the GPU would tune again."""
+    import importlib
+    import json
+    import pkgutil
+
+    import muon_offload.kernels
+
+    offered = set()
+    for info in pkgutil.iter_modules(muon_offload.kernels.__path__):
+        module = importlib.import_module(f"muon_offload.kernels.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, tuple) and value and isinstance(value[0], _launch.Config):
+                offered.update(value)
+    tables = sorted(shipped_tables.SHIPPED_DIR.glob("tune-*-triton*.json"))
+    assert tables, "no shipped table"
+    for path in tables:
+        for name, entry in json.loads(path.read_text()).items():
+            assert _launch.Config(**entry["config"]) in offered, (path.name, name)
