@@ -3,15 +3,11 @@ offloaded, engine. State keys are torch's (``exp_avg``, ``exp_avg_sq``)."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .elementwise import AdamWUpdate
 from .engine import ChunkedOptimizer
 from .hyper import Hyper, read_torch_adamw_hyper, torch_betas
-
-log = logging.getLogger(__name__)
 
 
 class AdamW(ChunkedOptimizer):
@@ -19,18 +15,17 @@ class AdamW(ChunkedOptimizer):
 
     Takes ``torch.optim.AdamW``'s arguments; ``amsgrad``, ``maximize`` and ``differentiable``
     must stay False, and ``foreach``, ``capturable`` and ``fused`` are accepted and ignored
-    (the update is always one fused kernel per chunk). The bias-correction step is the
-    group's ``step``, which advances once per ``step()`` call. ``offload``, ``chunk_bytes``,
+    (the update is always one fused kernel per chunk). The bias correction reads each
+    parameter's own step count, as torch's: the steps that updated it (a parameter whose
+    gradient is None is not updated; ``del opt.state[p]`` starts it afresh); the group's
+    ``step`` counts ``step()`` calls. ``offload``, ``chunk_bytes``,
     ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype``, ``backend`` and
     ``cuda_graph`` (``"auto"``: capture the step as a CUDA graph where it can run and replay
     it; the bias correction and learning rate still change every step) are as for ``Muon``.
 
-    Checkpoints go both ways with ``torch.optim.AdamW``: ``state_dict()`` also carries torch's
-    per-parameter ``step`` (a float32 tensor), and a torch state dict (no group ``step``) sets
-    each group's step from its parameters' ``step``. torch counts steps per parameter, this
-    optimizer per group: where a group's parameters saved different counts, the largest is
-    taken for the whole group (with a warning), so the bias correction of the others differs
-    from torch's.
+    Checkpoints go both ways with ``torch.optim.AdamW``: ``state_dict()`` carries torch's
+    per-parameter ``step`` (a float32 tensor) and ``load_state_dict`` reads it; a torch state
+    dict (no group ``step``) sets each group's ``step`` to the largest of its parameters'.
     """
 
     algorithms = {"adamw": AdamWUpdate(("exp_avg", "exp_avg_sq"))}
@@ -91,20 +86,6 @@ class AdamW(ChunkedOptimizer):
             )
         return read_torch_adamw_hyper(group, index)
 
-    def state_dict(self) -> dict:
-        out = super().state_dict()
-        steps = {i: g["step"] for g in out["param_groups"] for i in g["params"]}
-        # torch.optim.AdamW reads the step per parameter (a float32 tensor). New dicts: the
-        # inner ones of super().state_dict() are our live state. Keys that name no parameter
-        # (a hook's own) are carried as they are.
-        out["state"] = {
-            i: {**values, "step": torch.tensor(float(steps[i]), dtype=torch.float32)}
-            if i in steps
-            else values
-            for i, values in out["state"].items()
-        }
-        return out
-
     def load_state_dict(self, state_dict: dict) -> None:
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if isinstance(groups, list) and any(
@@ -115,11 +96,12 @@ class AdamW(ChunkedOptimizer):
 
 
 def _group_steps_from_torch(state_dict: dict) -> list[dict]:
-    """torch's AdamW keeps ``step`` per parameter; ours per group: each group takes the largest
-    of its parameters' (0 where none has state yet)."""
+    """torch's AdamW keeps ``step`` per parameter only; our groups count ``step()`` calls
+    besides: each group takes the largest of its parameters' (0 where none has state yet).
+    The parameters' own counts are loaded as they are (``engine/step_counts.py``)."""
     state = state_dict.get("state", {})
     out = []
-    for gi, group in enumerate(state_dict["param_groups"]):
+    for group in state_dict["param_groups"]:
         if not isinstance(group, dict) or "step" in group:
             out.append(group)
             continue
@@ -128,13 +110,5 @@ def _group_steps_from_torch(state_dict: dict) -> list[dict]:
             step = state.get(i, {}).get("step") if isinstance(state.get(i), dict) else None
             if step is not None:
                 steps.add(int(step.item() if isinstance(step, torch.Tensor) else step))
-        if len(steps) > 1:
-            log.warning(
-                "param group %d: the loaded parameters were stepped %s times; the group takes "
-                "%d (this optimizer counts steps per group)",
-                gi,
-                sorted(steps),
-                max(steps),
-            )
         out.append({**group, "step": max(steps, default=0)})
     return out

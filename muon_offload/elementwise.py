@@ -15,6 +15,7 @@ from .kernels.elementwise import adamw_scalars, lion_scalars
 class AdamWUpdate(Algorithm):
     name = "adamw"
     state_kinds = ("adam_m", "adam_v")
+    counts_steps = True  # the bias corrections read each parameter's own count
 
     def scalars(self, hyper: Hyper, step: int, shape=None) -> tuple[float, ...]:
         h = hyper

@@ -139,7 +139,10 @@ class Muon(ChunkedOptimizer):
     orthogonalized (Polar Express by default), then ``X *= 1 - lr wd`` and
     ``X -= adjusted_lr U``, with ``adjusted_lr`` from ``adjust_lr`` and the matrix shape.
     3-D parameters are batches of matrices unless ``flatten``; ``split_sizes`` in a group
-    orthogonalizes row blocks of a packed 2-D weight separately, as dion does.
+    orthogonalizes row blocks of a packed 2-D weight separately, as dion does. AdamW groups'
+    bias correction reads each parameter's own count of the steps that updated it, as dion's
+    per-parameter ``step_dev`` (the key checkpoints keep it under); group ``step`` counts
+    ``step()`` calls.
 
     ``distributed_mesh`` is dion's: a 1-D DeviceMesh (FSDP2 DTensor parameters), a ProcessGroup
     (DDP, replicated parameters) or None; a param group may carry its own
@@ -166,6 +169,9 @@ class Muon(ChunkedOptimizer):
             ``False``: never. The graph's memory pool (about one step's temporaries) is kept
             from the caching allocator; see docs/usage.md ("CUDA graphs").
     """
+
+    # dion's key for a parameter's step count (its adamw groups' ``state[p]["step_dev"]``).
+    step_count_key = "step_dev"
 
     def __init__(
         self,

@@ -206,3 +206,34 @@ def test_invalidated_capture_leaves_the_rng_usable():
         graph.capture(body)
     torch.rand(4, device="cuda")
     torch.randn(4, device="cuda").sum().item()
+
+
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+@pytest.mark.parametrize("kw", [{}, {"offload": True, "chunk_bytes": 1 << 20}])
+def test_replays_follow_each_parameters_step_count(kind, kw):
+    """An AdamW vector frozen (gradient None) at steps 2 and 3: it has a step count of its own
+    from then on, and the replays after read it from the scalar table (bitwise as eager;
+    AdamW as torch's, a few fp32 roundings apart)."""
+    init = _model()
+    frozen = len(init) - 1 if kind == "adamw" else 13  # Muon: the adamw group's second
+    pair = [_make(kind, init, mode, **kw) for mode in (True, False)]
+    ref = [torch.nn.Parameter(t.cuda()) for t in init]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.1, foreach=False)
+    runs = [*pair, (ref, ref_opt)] if kind == "adamw" else pair
+    for s in range(10):
+        for params, opt in runs:
+            _grads(params, s)
+            if s in (2, 3):
+                params[frozen].grad = None
+            opt.step()
+    torch.cuda.synchronize()
+    (graphed, g_opt), (eager, e_opt) = pair
+    for p, q in zip(graphed, eager, strict=True):
+        assert torch.equal(p, q)
+        for k in g_opt.state[p]:
+            assert torch.equal(g_opt.state[p][k], e_opt.state[q][k]), k
+    assert g_opt.graph_stats()["replays"] >= 3
+    assert int(g_opt.state_dict()["state"][frozen][g_opt.step_count_key]) == 8
+    if kind == "adamw":
+        for p, q in zip(graphed, ref, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -111,3 +111,46 @@ def test_interrupted_step_leaves_each_parameter_before_or_after(
     opt.step()
     for p, (x, _) in zip(params, mid, strict=True):
         assert not torch.equal(p, x)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_interrupted_step_keeps_the_counts_of_what_it_did_not_update(monkeypatch, offload):
+    """AdamW counts each parameter's steps (as torch): a parameter the interrupted step did not
+    update keeps its count, in the state dict and in its next bias correction."""
+    from muon_offload import AdamW
+
+    def make():
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(200, generator=gen)) for _ in range(4)]
+        kw = dict(offload=True) if offload else {}
+        # A chunk a parameter (8 bytes of state an element): the third fails, the fourth
+        # does not run.
+        return params, AdamW(params, lr=1e-2, chunk_bytes=1600, resident_chunk_bytes=1600, **kw)
+
+    params, opt = make()
+    _grads(params, 0)
+    opt.step()
+    _grads(params, 1)
+    with monkeypatch.context() as m:
+        _inject(m, "_update_elementwise", 3)  # the third chunk's unit
+        with pytest.raises(StepInterrupted) as info:
+            opt.step()
+    err = info.value
+    assert err.updated and err.not_updated
+    saved = opt.state_dict()["state"]
+    for i, p in enumerate(params):
+        stepped = any(p is q for q in err.updated + err.partial)
+        assert int(saved[i]["step"]) == (2 if stepped else 1), i
+    # The next step continues each parameter's count as torch would: a twin that skipped the
+    # interrupted step's parameters (grad None) lands on the same bits for them.
+    twins, twin_opt = make()
+    _grads(twins, 0)
+    twin_opt.step()
+    _grads(params, 2)
+    opt.step()
+    for p, t in zip(params, twins, strict=True):
+        t.grad = p.grad.clone()
+    twin_opt.step()
+    for p, t in zip(params, twins, strict=True):
+        if any(p is q for q in err.not_updated):
+            assert torch.equal(p, t)

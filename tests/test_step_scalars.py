@@ -126,7 +126,7 @@ def test_table_holds_each_steps_scalars_bitwise(offload):
         table = opt._scalars
         buf = table.buffer.cpu().numpy()
         expected = _expected_rows(opt)
-        for (gi, algorithm, shape), at in zip(table._rows, table._offsets, strict=True):
+        for (gi, algorithm, shape, _), at in zip(table._rows, table._offsets, strict=True):
             row = algorithm.scalars(opt._read_hyper(opt.param_groups[gi], gi), 1, shape)
             want = expected[gi, shape]
             if algorithm.name == "muon":  # laid out [mu, -, -, -, eps, -, -, -, decay, adj]
@@ -222,3 +222,24 @@ def test_adamw_table_follows_the_step_count():
         got = opt._scalars.buffer.cpu().numpy()[:7]
         assert np.array_equal(got, want)
         assert math.isclose(got[5], 1e-3 / (1 - 0.9**step), rel_tol=1e-6)
+
+
+def test_adamw_rows_follow_each_parameters_count():
+    """A parameter that skipped steps has a count of its own, so a unit and a row of its own;
+    each row holds adamw_scalars at its parameters' count, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (100, 70, 130)]
+    opt = AdamW(params, lr=1e-3, backend="triton")
+    for step in range(5):
+        for i, p in enumerate(params):
+            frozen = i == 1 and step in (1, 2)
+            p.grad = None if frozen else torch.randn(p.shape, generator=gen)
+        opt.step()
+    counts = [int(c["step"]) for c in opt.state_dict()["state"].values()]
+    assert counts == [5, 3, 5]
+    table = opt._scalars
+    buf = table.buffer.cpu().numpy()
+    assert len(table._rows) == 2  # one a count
+    for (_, _, _, item), at in zip(table._rows, table._offsets, strict=True):
+        want = adamw_scalars(1e-3, 0.9, 0.999, 1e-8, 1e-2, counts[item])
+        assert np.array_equal(buf[at : at + 7], np.array(want, dtype=np.float32))

@@ -35,7 +35,10 @@ class UnitJob:
 
     group: int
     hyper: Hyper
-    step: int  # the group's step count, this step included
+    # The step count, this step included: for an algorithm that counts steps per parameter
+    # (``Algorithm.counts_steps``) the unit's parameters' own, which they share (a unit holds
+    # parameters of one count: ``step_counts.py``); else the group's.
+    step: int
     backend: str
     mesh: Mesh
     params: list[Tensor]
@@ -53,6 +56,10 @@ class Algorithm:
 
     name: str = ""
     elementwise: bool = True
+    # Whether ``scalars`` reads each parameter's own step count (AdamW's bias correction, as
+    # torch's AdamW and dion count): the engine then keeps, for each parameter, the count of
+    # the steps that updated it, and checkpoints carry it (``step_counts.py``).
+    counts_steps: bool = False
 
     # What each state key holds, for 8-bit state's code map (kernels/quant_maps.py).
     state_kinds: tuple[str, ...] = ()
@@ -65,6 +72,7 @@ class Algorithm:
     def scalars(self, hyper: Hyper, step: int, shape: tuple | None) -> tuple[float, ...]:
         """The runtime scalars of a unit's launches this step (``UnitJob.scalars`` on the
         device), computed as the kernels' launchers compute them from Python numbers.
+        ``step``: as ``UnitJob.step``.
         ``shape``: the unit's matrix shape (global) for matrix algorithms, None otherwise."""
         raise NotImplementedError
 

@@ -5,7 +5,9 @@ Everything is checked before anything is written: a state dict that does not fit
 ``ValueError`` with the optimizer exactly as it was (8-bit state included: codes of each state
 kind's dtype, scales of the layout the loaded groups give, in the live state as in the loaded
 one). Host slabs stay where they are; loaded values are copied into them (or into resident
-state), converting dtype and device.
+state), converting dtype and device. Each parameter's step count (``step_counts.py``) is saved
+beside its state, under torch's AdamW key ``step`` or dion's ``step_dev``, and loaded from
+either (from the group's ``step`` where a checkpoint has neither, as dion loads).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..muon_shapes import matrix_count
 from . import graphs
 from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims
+from .step_counts import count_tensor, loaded_counts
 
 # State may arrive in any of the dtypes our, dion's or torch's optimizers keep it in; others
 # (fp64, integers, complex) are not optimizer state of these algorithms.
@@ -248,10 +251,21 @@ def expected_scales_shape(opt, hyper: Hyper, p: Tensor) -> torch.Size:
 class CheckpointMixin:
     """The checkpoint methods of ``ChunkedOptimizer`` (mixed in before ``Optimizer``)."""
 
+    # The state dict key of a parameter's step count: torch's AdamW ``step`` (``Muon``: dion's).
+    step_count_key = "step"
+
     def state_dict(self) -> dict:
         self._synchronize()
         # 8-bit scales of DTensor parameters: as DTensors that distributed checkpoints shard.
-        return lay_out(self, super().state_dict())
+        out = lay_out(self, super().state_dict())
+        state = out["state"]
+        for i, (gi, p) in enumerate(self._params()):
+            algorithm = self.algorithms[self.param_groups[gi]["algorithm"]]
+            if algorithm.counts_steps and i in state:
+                # A new dict: torch's state_dict() hands out the live ones.
+                count = count_tensor(self._counts.get(p))
+                state[i] = {**state[i], self.step_count_key: count}
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load into the existing state tensors (host slabs stay where they are), converting
@@ -272,6 +286,8 @@ class CheckpointMixin:
             self.algorithms,
             lambda gi, p: expected_scales_shape(self, hypers[gi], p),
         )
+        counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
+        counts = loaded_counts(self.param_groups, saved_groups, saved_state, counted)
         self._synchronize()
         detach_aliases(loaded, self.state)
         self._ensure_state(hypers)  # may allocate (and fail) before anything is written
@@ -283,6 +299,8 @@ class CheckpointMixin:
         for key in [k for k in self.state if not isinstance(k, Tensor)]:
             del self.state[key]  # as torch's load: the loaded dict's own entries replace them
         self.state.update(carried(saved_state))
+        for p, count in counts.items():
+            self._counts.set(p, count)
         self._plans.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -305,7 +323,9 @@ class CheckpointMixin:
             self.backend,
             self.cuda_graph,
         )
-        state = {**super().__getstate__(), "_settings": settings}
+        # The counts of parameters with state (one whose state was dropped starts afresh).
+        counts = {p: self._counts.get(p) for _, p in self._params() if self.state.get(p)}
+        state = {**super().__getstate__(), "_settings": settings, "_step_counts": counts}
         if "algorithms" in vars(self):  # Muon's own (its orthogonalizer); AdamW's are its class's
             state["algorithms"] = self.algorithms
         return state
@@ -313,6 +333,7 @@ class CheckpointMixin:
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         values, settings = state.pop("state"), state.pop("_settings")
+        counts = state.pop("_step_counts", {})
         super().__setstate__({**state, "state": {}})
         self._setup(settings, resolve_mesh(None))
         self._constructed = True
@@ -335,3 +356,5 @@ class CheckpointMixin:
             self._ensure_state(hypers)
             copy_state(self, loaded)
         self.state.update({k: v for k, v in values.items() if not isinstance(k, Tensor)})
+        for p, count in counts.items():
+            self._counts.set(p, count)

@@ -22,7 +22,7 @@ from ..distributed import DTensor, Mesh, local, run_tasks
 from ..hyper import Hyper, StepWork
 from ..kernels._grad_index import GradIndex
 from .algorithm import Algorithm, UnitJob
-from .planner import Chunk, MuonUnit, Unit
+from .planner import Chunk, MuonUnit, Unit, unit_params
 
 _grad = attrgetter("grad")
 
@@ -38,6 +38,8 @@ class StepContext:
     steps: Sequence[int]  # each group's step count, this step included
     backend: str
     layouts: Sequence[ChunkLayout]  # one a chunk of the plan
+    # Each work item's own step count, this step included (``step_counts.py``).
+    counts: Sequence[int] = ()
 
 
 def unit_items(unit: Unit, work) -> list[tuple[Tensor, slice | None]]:
@@ -75,6 +77,11 @@ class UnitLayout:
     plain: bool  # no DTensor among the parameters: local(p) is p
     # A resident unit's state as ``UnitJob.state`` takes it (key by key); None when streamed.
     resident_state: tuple[tuple[Tensor, ...], ...] | None
+    # For an algorithm that counts steps per parameter: the work item whose count the unit
+    # reads (its first; they all have one count), and the class of that count
+    # (``step_counts.step_classes``). None and 0 for the others.
+    step_item: int | None = None
+    step_class: int = 0
 
     def job_state(self, tensors: Sequence[Tensor] | None) -> list[list[Tensor]]:
         """Fresh lists of the unit's state tensors, key by key: from the chunk's staging
@@ -102,11 +109,15 @@ def chunk_layout(
     work,
     algorithms: dict[str, Algorithm],
     mesh_of: Callable[[int], Mesh],
+    classes: Sequence[int] | None = None,
 ) -> ChunkLayout:
+    """``classes``: each work item's step class (``step_counts.step_classes``; None: one)."""
     resident = chunk_state(state, formats, chunk, work) if chunk.resident else None
     units, start = [], 0
     for unit in chunk.units:
         items = unit_items(unit, work)
+        algorithm = algorithms[unit.algorithm]
+        step_item = unit_params(unit)[0] if algorithm.counts_steps else None
         first = items[0][0]
         nkeys = len(state[first])
         stop = start + len(items) * nkeys
@@ -117,7 +128,7 @@ def chunk_layout(
         units.append(
             UnitLayout(
                 unit=unit,
-                algorithm=algorithms[unit.algorithm],
+                algorithm=algorithm,
                 mesh=mesh_of(unit.group),
                 params=tuple(p for p, _ in items),
                 spans=tuple(span for _, span in items),
@@ -126,6 +137,8 @@ def chunk_layout(
                 quantized=formats[first].quantized,
                 plain=not any(isinstance(p, DTensor) for p, _ in items),
                 resident_state=unit_state,
+                step_item=step_item,
+                step_class=0 if step_item is None or classes is None else int(classes[step_item]),
             )
         )
         start = stop
@@ -158,7 +171,7 @@ def _job(
     return UnitJob(
         group=group,
         hyper=ctx.hypers[group],
-        step=ctx.steps[group],
+        step=ctx.steps[group] if u.step_item is None else int(ctx.counts[u.step_item]),
         backend=ctx.backend,
         mesh=u.mesh,
         params=params,

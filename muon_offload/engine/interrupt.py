@@ -15,6 +15,8 @@ the same, and the report rides on it as ``.step_interrupted`` (and a note).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from .planner import unit_params
@@ -43,10 +45,16 @@ class StepInterrupted(RuntimeError):
         self.torn = torn
 
 
-def interrupted(plan, work, progress, err, param_groups) -> StepInterrupted:
-    """Say which parameters an interrupted step updated, and roll the step counter back
-    for groups that saw no update at all. ``progress[i]`` is (started, finished) unit indices
-    of chunk i; ``work`` is the step's (group index, parameter) list."""
+def interrupted(
+    plan, work, progress, err, param_groups, step_back: Callable[[list[int]], None]
+) -> StepInterrupted:
+    """Say which parameters an interrupted step updated, and roll the step counts back: each
+    group's for groups that saw no update at all, and each parameter's (``step_counts.py``)
+    for parameters not updated, or torn (their unit may not have touched them: the common
+    case), by ``step_back`` (given their indices into ``work``). A parameter updated in part
+    keeps its new count: its updated elements' state has seen the step. ``progress[i]`` is
+    (started, finished) unit indices of chunk i; ``work`` is the step's (group index,
+    parameter) list."""
     updated, pending, torn = set(), set(), set()
     for chunk, (started, done) in zip(plan.chunks, progress, strict=True):
         for k, unit in enumerate(chunk.units):
@@ -67,6 +75,7 @@ def interrupted(plan, work, progress, err, param_groups) -> StepInterrupted:
     for gi, group in enumerate(param_groups):
         if gi not in stepped_groups:
             group["step"] -= 1
+    step_back(sorted(pending | torn))
 
     def shapes(ids):
         return sorted({tuple(work[i][1].shape) for i in ids})

@@ -57,6 +57,7 @@ from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
 from .state import StateMixin, StateStore
 from .state_format import StatePolicy
+from .step_counts import StepCounts, split_by_count
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         # cleared whenever state is created or loaded and when the budgets change.
         self._plans = PlanCache()
         self._store = StateStore()
+        self._counts = StepCounts()  # each parameter's count of the steps that updated it
         self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
@@ -230,22 +232,20 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
 
     # --------------------------------------------------------------- planning
 
-    def _plan(self, work: StepWork, hypers: Sequence[Hyper]):
+    def _plan(self, work: StepWork, hypers: Sequence[Hyper], classes=None):
         """The plan, the chunks' transfers and layouts, and which chunks the scheduler may run
         on its side lane (the element-wise-only ones) for this step's work: cached while the
         work (its parameters, their groups, shapes and dtypes), the groups' algorithms and
-        layouts and the budgets stay the same, and while state is neither created nor loaded
-        (which clear the cache)."""
-        if work.which is None:  # kept with pairs that a later step reuses (``step_work``)
-            # The plan holds ``work``: an id is not reused meanwhile.
-            work.which = (tuple(map(itemgetter(0), work)), tuple(map(id, work.params)))
+        layouts, the step classes (``step_counts.step_classes``) and the budgets stay the
+        same, and while state is neither created nor loaded (which clear the cache)."""
         key = (
-            work.which,
+            _which(work),
             work.shapes,  # read by the step's checks (``StepWork``)
             work.dtypes,
             tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
             self.chunk_bytes,
             self.resident_chunk_bytes,
+            classes,
         )
         found = self._plans.find(key)
         if found is not None:
@@ -258,13 +258,12 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             self._param_info(i, gi, p, hypers[gi], p not in self._streamed)
             for i, (gi, p) in enumerate(work)
         ]
+        infos = split_by_count(infos, classes)  # a unit's parameters share one step count
         plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
         _say_oversized([work[i] for i in plan.oversized], self._oversized_logged, self.chunk_bytes)
         transfers = _transfers(plan, self.state, self._store, work)
-        layouts = [
-            chunk_layout(c, self.state, self._store.formats, work, self.algorithms, self._mesh_of)
-            for c in plan.chunks
-        ]
+        fixed = (self.state, self._store.formats, work, self.algorithms, self._mesh_of, classes)
+        layouts = [chunk_layout(c, *fixed) for c in plan.chunks]
         side = elementwise_only(plan)
         self._plans.keep(key, (plan, transfers, layouts, side, work.pairs_only()))
         return plan, transfers, layouts, side
@@ -309,21 +308,24 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
         self._ensure_state(hypers, work)
-        plan, transfers, layouts, side = self._plan(work, hypers)
+        counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
+        slots, counts, classes = self._counts.for_step(_which(work), work.params, counted)
+        plan, transfers, layouts, side = self._plan(work, hypers, classes)
         if self._scheduler is None or self._scheduler.device != device:
             self._scheduler = StreamScheduler(device)
         self._scheduler.timeline = self._timeline_marks
         steps = [g["step"] + 1 for g in self.param_groups]
         # The kernels' scalars (this step's counts) on the device, before the counts advance.
         self._scalars = scalar_table(self._scalars, self.backend, device)
-        rows = self._scalars and self._scalars.write(layouts, hypers, steps)
+        rows = self._scalars and self._scalars.write(layouts, hypers, steps, counts)
         self._grad_table = grad_table(self._grad_table, self.backend, device)
         grad_rows = self._grad_table and self._grad_table.write(layouts, hypers, work)
         for group in self.param_groups:
             group["step"] += 1
+        unstep = self._counts.advance(slots, counts)  # each stepped parameter's count
         progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
         ctx = StepContext(
-            self.state, self._store.formats, work, hypers, steps, self.backend, layouts
+            self.state, self._store.formats, work, hypers, steps, self.backend, layouts, counts
         )
 
         def update(i: int, views: Sequence[Tensor] | None) -> None:
@@ -336,7 +338,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             # the step's are the user's to order, not a graph's).
             self._run_step(work, layouts, hypers, transfers, update, side, closure is not None)
         except BaseException as err:
-            report = interrupted(plan, work, progress, err, self.param_groups)
+            report = interrupted(plan, work, progress, err, self.param_groups, unstep)
             if isinstance(err, Exception):
                 raise report from err
             err.step_interrupted = report  # KeyboardInterrupt stays a KeyboardInterrupt
@@ -369,3 +371,11 @@ def _transfers(plan, state, store, work: StepWork) -> list:
         else plan_transfer(chunk_state(state, store.formats, chunk, work), store.host.slab_of)
         for chunk in plan.chunks
     ]
+
+
+def _which(work: StepWork) -> tuple:
+    """(group indices, parameter ids) of the step's pairs: the plan key's part naming them."""
+    if work.which is None:  # kept with pairs that a later step reuses (``step_work``)
+        # The plan holds ``work``: an id is not reused meanwhile.
+        work.which = (tuple(map(itemgetter(0), work)), tuple(map(id, work.params)))
+    return work.which

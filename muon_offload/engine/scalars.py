@@ -7,7 +7,8 @@ with that step's values. Eager steps take the same path (one small copy a step),
 equals the eager step by construction.
 
 Each row holds one algorithm's scalars for one group (and, for Muon, one matrix shape: its
-adjusted learning rate), as ``Algorithm.scalars`` computes them in Python floats; they are
+adjusted learning rate; for AdamW, one step count, each parameter's own: ``step_counts.py``),
+as ``Algorithm.scalars`` computes them in Python floats; they are
 rounded to fp32 on the host (to nearest, as Triton rounds a Python float argument) and copied
 host -> device once a step on the current stream, before any launch that reads them. Rows
 start 16 bytes apart, so every row pointer is as aligned as a fresh tensor (Triton
@@ -33,18 +34,19 @@ ROW_ALIGN = 4  # fp32 values: 16 bytes
 
 
 def _rows(layouts: Sequence[ChunkLayout]):
-    """The distinct rows of a plan, (group, algorithm, matrix shape or None), and for each
-    chunk each unit's row index."""
+    """The distinct rows of a plan, (group, algorithm, matrix shape or None, the work item
+    whose step count the row reads or None for the group's), and for each chunk each unit's
+    row index."""
     index: dict[tuple, int] = {}
     rows, unit_rows = [], []
     for layout in layouts:
         mine = []
         for u in layout.units:
             shape = None if u.algorithm.elementwise else tuple(u.params[0].shape)
-            key = (u.unit.group, u.algorithm.name, shape)
+            key = (u.unit.group, u.algorithm.name, shape, u.step_class)
             if key not in index:
                 index[key] = len(rows)
-                rows.append((u.unit.group, u.algorithm, shape))
+                rows.append((u.unit.group, u.algorithm, shape, u.step_item))
             mine.append(index[key])
         unit_rows.append(mine)
     return rows, unit_rows
@@ -82,14 +84,17 @@ class ScalarTable:
         """The device buffer the kernels read (a captured graph reads it by address)."""
         return self._device_buf
 
-    def write(self, layouts: Sequence[ChunkLayout], hypers, steps) -> list[list[Tensor]]:
+    def write(self, layouts: Sequence[ChunkLayout], hypers, steps, counts=()) -> list[list[Tensor]]:
         """Compute this step's rows, copy them to the device; return, for each chunk, each
-        unit's row (a view of the device buffer, the same tensors while the plan holds)."""
+        unit's row (a view of the device buffer, the same tensors while the plan holds).
+        ``steps``: each group's step count; ``counts``: each work item's own (this step
+        included, both)."""
         if layouts is not self._layouts:
             self._lay_out(layouts, hypers, steps)
         values = self._values  # padding stays zero; every row is rewritten
-        for (group, algorithm, shape), at in zip(self._rows, self._offsets, strict=True):
-            row = algorithm.scalars(hypers[group], steps[group], shape)
+        for (group, algorithm, shape, item), at in zip(self._rows, self._offsets, strict=True):
+            step = steps[group] if item is None else int(counts[item])
+            row = algorithm.scalars(hypers[group], step, shape)
             values[at : at + len(row)] = row  # fp64 -> fp32, to nearest
         self._copy(values)
         return self._views
@@ -97,7 +102,7 @@ class ScalarTable:
     def _lay_out(self, layouts, hypers, steps) -> None:
         rows, unit_rows = _rows(layouts)
         offsets, lengths, size = [], [], 0
-        for group, algorithm, shape in rows:
+        for group, algorithm, shape, _ in rows:
             offsets.append(size)
             lengths.append(len(algorithm.scalars(hypers[group], steps[group], shape)))
             size += -(-lengths[-1] // ROW_ALIGN) * ROW_ALIGN

@@ -228,4 +228,5 @@ class StateMixin:
                 for i in dict.fromkeys([*order, *range(len(missing))])
             ],
         )
+        self._counts.reset(p for _, p in missing)  # fresh state: no step has updated it
         self._plans.clear()
