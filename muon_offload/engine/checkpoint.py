@@ -42,16 +42,30 @@ def check_structure(state_dict) -> tuple[list[dict], Mapping]:
     for i, group in enumerate(groups):
         if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
             raise ValueError(f"loaded param group {i} is not a dict with a 'params' list")
+    listed = _listed(groups)
     for key, values in state.items():
-        if isinstance(key, int) and not isinstance(values, Mapping):
+        if (isinstance(key, int) or key in listed) and not isinstance(values, Mapping):
             raise ValueError(f"loaded state of parameter {key!r} is not a dict")
     return list(groups), state
 
 
-def carried(saved_state: Mapping) -> dict:
-    """The entries that name no parameter (a parameter's key is its int index): a hook's own,
-    which torch's optimizers carry through ``state_dict`` and ``load_state_dict`` as they are."""
-    return {key: value for key, value in saved_state.items() if not isinstance(key, int)}
+def _listed(saved_groups) -> set:
+    """The parameter keys the saved groups list: int indices, or the names that
+    torch.distributed.checkpoint's state-dict helpers put in their place."""
+    return {key for group in saved_groups for key in group["params"]}
+
+
+def names_no_parameter(key, listed: set) -> bool:
+    """Whether a saved state entry names no parameter: a key that no saved group lists and that
+    is no int index (those must be listed: a parameter the groups lost)."""
+    return key not in listed and not isinstance(key, int)
+
+
+def carried(saved_state: Mapping, saved_groups) -> dict:
+    """The entries that name no parameter: a hook's own, which torch's optimizers carry
+    through ``state_dict`` and ``load_state_dict`` as they are."""
+    listed = _listed(saved_groups)
+    return {k: v for k, v in saved_state.items() if names_no_parameter(k, listed)}
 
 
 def check_groups(param_groups: list[dict], saved_groups: list[dict]) -> list[dict]:
@@ -101,8 +115,9 @@ def check_state(
         for saved_id, p in zip(saved["params"], ours["params"], strict=True)
     }
     loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]] = {}
+    listed = _listed(saved_groups)
     for saved_id, values in saved_state.items():
-        if not isinstance(saved_id, int):  # no parameter's (``carried``)
+        if names_no_parameter(saved_id, listed):  # a hook's own (``carried``)
             continue
         if saved_id not in owner:
             raise ValueError(f"loaded state names parameter {saved_id!r}, which no group lists")
@@ -298,7 +313,7 @@ class CheckpointMixin:
         copy_state(self, loaded)
         for key in [k for k in self.state if not isinstance(k, Tensor)]:
             del self.state[key]  # as torch's load: the loaded dict's own entries replace them
-        self.state.update(carried(saved_state))
+        self.state.update(carried(saved_state, saved_groups))
         for p, count in counts.items():
             self._counts.set(p, count)
         self._plans.clear()
