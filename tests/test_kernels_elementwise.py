@@ -143,8 +143,12 @@ def test_autotune_applies_update_once(tmp_path, monkeypatch):
     """A fresh tuning cache forces the tuner to time every config; the caller's tensors must
     still be updated exactly once (tuning runs on scratch copies). The decision is cached on
     disk, and new hyper-parameters reuse the compiled kernel."""
+    from muon_offload.kernels import shipped_tables
+
     monkeypatch.setenv("MUON_OFFLOAD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "1")
+    # No shipped table either: it would decide the key untimed (and write no cache).
+    monkeypatch.setattr(shipped_tables, "SHIPPED_DIR", tmp_path / "no-tables")
     monkeypatch.setattr(_launch, "TUNER", _launch.Tuner())
     import muon_offload.kernels.elementwise as ew
 
