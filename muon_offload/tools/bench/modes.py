@@ -104,7 +104,8 @@ def state_dict_cost(opt, clock: Clock) -> dict:
     clock.sync()
     peak = clock.peak()
     tensors = [v for vals in sd["state"].values() for v in vals.values() if torch.is_tensor(v)]
-    nbytes = sum(v.numel() * v.element_size() for v in tensors)
+    # The state's bytes; the per-parameter step counts (0-d tensors) are not state to stream.
+    nbytes = sum(v.numel() * v.element_size() for v in tensors if v.dim())
     host = opt.host_buffers()
     buffer = torch.empty(max(nbytes, sum(h.numel() for h in host)), dtype=torch.uint8)
     buffer.fill_(1)  # fault the pages in before timing
