@@ -29,6 +29,7 @@ from torch import Tensor
 
 from . import dispatch
 from .chunks import ChunkLayout
+from .host_ring import HostRing
 
 ROW_ALIGN = 4  # fp32 values: 16 bytes
 
@@ -66,12 +67,8 @@ class ScalarTable:
     def __init__(self, device: torch.device, ring: int = 2):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.ring = ring
         self._device_buf: Tensor | None = None
-        self._host: list[Tensor] = []
-        self._host_np: list[np.ndarray] = []
-        self._copied: list[torch.cuda.Event | None] = []
-        self._turn = 0
+        self._ring = HostRing(self.device, torch.float32, ring)
         # The last plan's layout: its rows, offsets, and each unit's view of its row.
         self._layouts: Sequence[ChunkLayout] | None = None
         self._rows: list[tuple] = []
@@ -96,7 +93,7 @@ class ScalarTable:
             step = steps[group] if item is None else int(counts[item])
             row = algorithm.scalars(hypers[group], step, shape)
             values[at : at + len(row)] = row  # fp64 -> fp32, to nearest
-        self._copy(values)
+        self._ring.copy(values, self._device_buf)
         return self._views
 
     def _lay_out(self, layouts, hypers, steps) -> None:
@@ -112,14 +109,6 @@ class ScalarTable:
             # joined back into it), so the allocator may hand it out again safely.
             capacity = max(64, 1 << (size - 1).bit_length())
             self._device_buf = torch.zeros(capacity, dtype=torch.float32, device=self.device)
-        if self.cuda and (not self._host or self._host[0].numel() < size):
-            self._wait_all()
-            self._host = [
-                torch.zeros(self._device_buf.numel(), dtype=torch.float32, pin_memory=True)
-                for _ in range(self.ring)
-            ]
-            self._host_np = [h.numpy() for h in self._host]
-            self._copied = [None] * self.ring
         buf = self._device_buf
         self._views = [
             [buf[offsets[r] : offsets[r] + lengths[r]] for r in mine] for mine in unit_rows
@@ -127,24 +116,3 @@ class ScalarTable:
         self._rows, self._offsets = rows, offsets
         self._values = np.zeros(size, dtype=np.float32)  # this plan's rows, filled each step
         self._layouts = layouts
-
-    def _wait_all(self) -> None:
-        for event in self._copied:
-            if event is not None:
-                event.synchronize()
-
-    def _copy(self, values: np.ndarray) -> None:
-        n = values.size
-        if not self.cuda:
-            self._device_buf[:n].copy_(torch.from_numpy(values))
-            return
-        k = self._turn
-        self._turn = (k + 1) % self.ring
-        event = self._copied[k]
-        if event is not None:
-            event.synchronize()  # the copy that last read this host buffer has run
-        self._host_np[k][:n] = values
-        self._device_buf[:n].copy_(self._host[k][:n], non_blocking=True)
-        if event is None:
-            event = self._copied[k] = torch.cuda.Event()
-        event.record()
