@@ -7,8 +7,8 @@ number of elements. Math runs in fp32; each stored tensor is rounded once, on st
 ``adamw_`` and ``lion_`` launch one Triton kernel per dtype combination (usually one per
 call). Each program updates one chunk of one segment, read through a pointer table of rows
 ``[p, g, m, (v,) start, count]`` (``g``: a row of a table of gradient addresses, ``GradIndex``;
-see ``_launch.py``). ``adamw_reference_`` and ``lion_reference_`` are the plain-torch versions
-(CPU path, and what the kernels are tested against).
+see ``_launch.py``). ``adamw_reference_`` and ``lion_reference_`` (elementwise_reference.py) are
+the plain-torch versions (CPU path, and what the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ def _lerp(start, end, weight):
 
 
 @triton.jit
+def _decayed(p, u, decay, CAUTIOUS: tl.constexpr):
+    """p (1 - lr wd); with CAUTIOUS (dion's cautious_wd), only where the update u and p agree
+    in sign (u p >= 0), p unchanged elsewhere: ``elementwise_reference.cautious_decay``."""
+    if CAUTIOUS:
+        decay = tl.where(u * p >= 0, decay, 1.0)
+    return p * decay
+
+
+@triton.jit
 def _typed(row, index, DTYPE: tl.constexpr, start, ALIGNED: tl.constexpr):
     # Addresses read from a table carry no alignment facts: without the hint there are no
     # 16-byte accesses (checked in the PTX: ld.global.v4.b32 with it, ld.global.b32 without).
@@ -74,9 +83,8 @@ def _typed(row, index, DTYPE: tl.constexpr, start, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _adamw_tile(
-    p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, w1, beta2, omb2, eps, decay, step_size, bc2_sqrt
-):
+def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, hyper, CAUTIOUS: tl.constexpr):
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = hyper
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -84,7 +92,7 @@ def _adamw_tile(
     m = _lerp(m, g, w1)
     v = v * beta2 + (g * g) * omb2
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p * decay - step_size * tl.div_rn(m, denom)
+    p = _decayed(p, m, decay, CAUTIOUS) - step_size * tl.div_rn(m, denom)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -94,13 +102,14 @@ def _adamw_tile(
 def _adamw_kernel(
     table,  # [programs, 6] int64: p address, g row in grads, m, v addresses, start, count
     grads,  # int64: gradient addresses (GradIndex.table)
-    hyper,  # fp32 [7]: adamw_scalars' values (read from memory: a CUDA graph replays new ones)
+    scalars,  # fp32 [7]: adamw_scalars' values (read from memory: a CUDA graph replays new ones)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     M_DTYPE: tl.constexpr,
     V_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    CAUTIOUS: tl.constexpr,  # dion's cautious_wd (``_decayed``)
 ):
     i_p = tl.program_id(0).to(tl.int64)
     row = table + i_p * 6
@@ -110,52 +119,27 @@ def _adamw_kernel(
     g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
     m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
     v_ptr = _typed(row, 3, V_DTYPE, start, ALIGNED)
-    w1 = tl.load(hyper)  # 1 - beta1 (lerp weight)
-    beta2 = tl.load(hyper + 1)
-    omb2 = tl.load(hyper + 2)  # 1 - beta2
-    eps = tl.load(hyper + 3)
-    decay = tl.load(hyper + 4)  # 1 - lr * weight_decay
-    step_size = tl.load(hyper + 5)  # lr / (1 - beta1^step)
-    bc2_sqrt = tl.load(hyper + 6)  # sqrt(1 - beta2^step)
+    hyper = (
+        tl.load(scalars),  # 1 - beta1 (lerp weight)
+        tl.load(scalars + 1),  # beta2
+        tl.load(scalars + 2),  # 1 - beta2
+        tl.load(scalars + 3),  # eps
+        tl.load(scalars + 4),  # 1 - lr * weight_decay
+        tl.load(scalars + 5),  # lr / (1 - beta1^step)
+        tl.load(scalars + 6),  # sqrt(1 - beta2^step)
+    )
     offs = tl.arange(0, BLOCK)
     n_full = count // BLOCK
     for i_t in range(n_full):  # full tiles: no mask, so loads stay 16 bytes wide
-        _adamw_tile(
-            p_ptr,
-            g_ptr,
-            m_ptr,
-            v_ptr,
-            i_t * BLOCK + offs,
-            None,
-            w1,
-            beta2,
-            omb2,
-            eps,
-            decay,
-            step_size,
-            bc2_sqrt,
-        )
+        _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, i_t * BLOCK + offs, None, hyper, CAUTIOUS)
     tail = count - n_full * BLOCK
     if tail > 0:
-        _adamw_tile(
-            p_ptr,
-            g_ptr,
-            m_ptr,
-            v_ptr,
-            n_full * BLOCK + offs,
-            offs < tail,
-            w1,
-            beta2,
-            omb2,
-            eps,
-            decay,
-            step_size,
-            bc2_sqrt,
-        )
+        tail_offs, tail_mask = n_full * BLOCK + offs, offs < tail
+        _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, tail_offs, tail_mask, hyper, CAUTIOUS)
 
 
 @triton.jit
-def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr):
+def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr, CAUTIOUS: tl.constexpr):
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -163,7 +147,7 @@ def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr):
     sign = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
     sign = tl.where(u != u, u, sign)  # NaN stays NaN, as torch.sign
     m = _lerp(m, g, w2)
-    p = p * decay - lr * sign
+    p = _decayed(p, sign, decay, CAUTIOUS) - lr * sign
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
@@ -178,6 +162,7 @@ def _lion_kernel(
     M_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    CAUTIOUS: tl.constexpr,  # dion's cautious_wd (``_decayed``)
 ):
     i_p = tl.program_id(0).to(tl.int64)
     row = table + i_p * 5
@@ -193,13 +178,16 @@ def _lion_kernel(
     offs = tl.arange(0, BLOCK)
     n_full = count // BLOCK
     for i_t in range(n_full):
-        _lion_tile(p_ptr, g_ptr, m_ptr, i_t * BLOCK + offs, None, w1, w2, decay, lr)
+        _lion_tile(p_ptr, g_ptr, m_ptr, i_t * BLOCK + offs, None, w1, w2, decay, lr, CAUTIOUS)
     tail = count - n_full * BLOCK
     if tail > 0:
-        _lion_tile(p_ptr, g_ptr, m_ptr, n_full * BLOCK + offs, offs < tail, w1, w2, decay, lr)
+        tail_offs, tail_mask = n_full * BLOCK + offs, offs < tail
+        _lion_tile(p_ptr, g_ptr, m_ptr, tail_offs, tail_mask, w1, w2, decay, lr, CAUTIOUS)
 
 
-def _launch_segments(kernel, name: str, lists, scalars, index: GradIndex | None) -> None:
+def _launch_segments(
+    kernel, name: str, lists, scalars, index: GradIndex | None, cautious: bool = False
+) -> None:
     """Launch ``kernel`` over parallel segment lists (gradients through ``index``): one launch
     per combination of dtypes and 16-byte alignment. Alignment is a compile-time promise for
     the whole launch, so one unaligned segment must not take 16-byte accesses away from the
@@ -215,8 +203,10 @@ def _launch_segments(kernel, name: str, lists, scalars, index: GradIndex | None)
     device = lists[0][0].device
     if len(groups) == 1 and all(aligned):  # the usual case: one launch over everything
         ((dtypes, _),) = groups.items()
-        config = _choose(kernel, name, lists, numels, dtypes, scalars)
-        _launch_group(kernel, name, device, ptrs, grad_table, numels, dtypes, scalars, config, True)
+        config = _choose(kernel, name, lists, numels, dtypes, scalars, cautious)
+        _launch_group(
+            kernel, name, device, ptrs, grad_table, numels, dtypes, scalars, config, True, cautious
+        )
         return
     for dtypes, members in groups.items():
         for flag in (True, False):
@@ -225,15 +215,14 @@ def _launch_segments(kernel, name: str, lists, scalars, index: GradIndex | None)
                 continue
             group = [[tensors[i] for i in part] for tensors in lists]
             sizes = [numels[i] for i in part]
-            config = _choose(kernel, name, group, sizes, dtypes, scalars)
+            config = _choose(kernel, name, group, sizes, dtypes, scalars, cautious)
             part_ptrs = [[col[i] for i in part] for col in ptrs]
-            _launch_group(
-                kernel, name, device, part_ptrs, grad_table, sizes, dtypes, scalars, config, flag
-            )
+            args = (part_ptrs, grad_table, sizes, dtypes, scalars, config, flag, cautious)
+            _launch_group(kernel, name, device, *args)
 
 
 def _launch_group(
-    kernel, name, device, ptrs, grad_table, sizes, dtypes, scalars, config: Config, aligned: bool
+    kernel, name, device, ptrs, grad_table, sizes, dtypes, scalars, config, aligned, cautious
 ) -> None:
     """One launch over segments given by their addresses (``ptrs[j][i]``: tensor j of
     segment i; the gradients' rows of ``grad_table`` at j = 1) and element counts."""
@@ -257,12 +246,13 @@ def _launch_group(
         *(triton_dtype(d) for d in dtypes),
         BLOCK=config.block,
         ALIGNED=aligned,
+        CAUTIOUS=cautious,
         num_warps=config.num_warps,
         enable_fp_fusion=FP_FUSION,
     )
 
 
-def _choose(kernel, name, group, sizes, dtypes, scalars) -> Config:
+def _choose(kernel, name, group, sizes, dtypes, scalars, cautious) -> Config:
     device = group[0][0].device
     key = (",".join(dtype_name(d) for d in dtypes), bucket(sum(sizes)), bucket(len(sizes)))
 
@@ -274,7 +264,17 @@ def _choose(kernel, name, group, sizes, dtypes, scalars) -> Config:
         grad_table, ptrs[1] = grad_index_for(scratch[1], None)
         return bench_ms(
             lambda: _launch_group(
-                kernel, name, device, ptrs, grad_table, sizes, dtypes, scalars, config, aligned
+                kernel,
+                name,
+                device,
+                ptrs,
+                grad_table,
+                sizes,
+                dtypes,
+                scalars,
+                config,
+                aligned,
+                cautious,
             )
         )
 
@@ -311,12 +311,13 @@ def adamw_(
     eps: float,
     weight_decay: float,
     step: int,
+    cautious_wd: bool = False,
 ) -> None:
     """Fused AdamW over any number of segments of any sizes; same math as
     ``adamw_reference_``. Hyper-parameters are runtime values: changing them never
-    recompiles."""
+    recompiles (``cautious_wd``, a compile-time flag, does)."""
     scalars = device_scalars(adamw_scalars(lr, beta1, beta2, eps, weight_decay, step), _on(params))
-    adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars)
+    adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars, cautious_wd=cautious_wd)
 
 
 def adamw_from_(
@@ -326,6 +327,7 @@ def adamw_from_(
     exp_avg_sqs: Sequence[Tensor],
     scalars: Tensor,
     grad_index: GradIndex | None = None,
+    cautious_wd: bool = False,
 ) -> None:
     """``adamw_`` with its runtime scalars read on the device from ``scalars``: fp32, the
     seven values of ``adamw_scalars`` in order (the engine's step table: what a CUDA graph
@@ -334,7 +336,7 @@ def adamw_from_(
     if params:
         check_scalars(scalars, 7, params[0].device)
     lists = (params, grads, exp_avgs, exp_avg_sqs)
-    _launch_segments(_adamw_kernel, "adamw", lists, scalars, grad_index)
+    _launch_segments(_adamw_kernel, "adamw", lists, scalars, grad_index, cautious_wd)
 
 
 def lion_(
@@ -346,71 +348,24 @@ def lion_(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    cautious_wd: bool = False,
 ) -> None:
     """Fused Lion over any number of segments of any sizes; same math as ``lion_reference_``."""
     scalars = device_scalars(lion_scalars(lr, beta1, beta2, weight_decay), _on(params))
-    lion_from_(params, grads, exp_avgs, scalars)
+    lion_from_(params, grads, exp_avgs, scalars, cautious_wd=cautious_wd)
 
 
 def lion_from_(
-    params: Sequence[Tensor], grads, exp_avgs, scalars: Tensor, grad_index: GradIndex | None = None
+    params: Sequence[Tensor],
+    grads,
+    exp_avgs,
+    scalars: Tensor,
+    grad_index: GradIndex | None = None,
+    cautious_wd: bool = False,
 ) -> None:
     """``lion_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``,
     its gradients through ``grad_index`` (as ``adamw_from_``)."""
     if params:
         check_scalars(scalars, 4, params[0].device)
-    _launch_segments(_lion_kernel, "lion", (params, grads, exp_avgs), scalars, grad_index)
-
-
-def adamw_reference_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
-    """AdamW with decoupled weight decay and bias correction, as ``torch.optim.AdamW``:
-
-    m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2) g^2
-    p = p (1 - lr wd) - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
-    """
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    step_size = lr / bias_correction1
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        g32 = g.float()
-        m32 = m.float().lerp_(g32, 1.0 - beta1)
-        v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
-        denom = v32.sqrt().div_(bias_correction2_sqrt).add_(eps)
-        p32 = p.float().mul_(1.0 - lr * weight_decay).addcdiv_(m32, denom, value=-step_size)
-        m.copy_(m32)
-        v.copy_(v32)
-        p.copy_(p32)
-
-
-def lion_reference_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-) -> None:
-    """Lion as dion runs it: u = sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2);
-    p = p (1 - lr wd) - lr u."""
-    for p, g, m in zip(params, grads, exp_avgs, strict=True):
-        g32 = g.float()
-        m32 = m.float()
-        update = torch.lerp(m32, g32, 1.0 - beta1).sign_()
-        m32.lerp_(g32, 1.0 - beta2)
-        p32 = p.float().mul_(1.0 - lr * weight_decay).sub_(update, alpha=lr)
-        m.copy_(m32)
-        p.copy_(p32)
+    lists = (params, grads, exp_avgs)
+    _launch_segments(_lion_kernel, "lion", lists, scalars, grad_index, cautious_wd)

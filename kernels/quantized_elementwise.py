@@ -1,6 +1,6 @@
-"""Fused AdamW and Lion on 8-bit state (the format: quant_maps.py), any number of segments,
-and the torch references they are tested against (the same math on dequantized state,
-requantized after; the CPU path).
+"""Fused AdamW and Lion on 8-bit state (the format: quant_maps.py), any number of segments.
+Their torch references (the same math on dequantized state, requantized after; the CPU path)
+are in quantized_elementwise_reference.py.
 
 Like elementwise.py's kernels, each program updates one chunk of one segment, read through a
 pointer table of rows ``[p, g, codes, scales, ..., start, count]`` (``_launch.py``; ``g``, a
@@ -32,20 +32,17 @@ from ._launch import (
     triton_dtype,
 )
 from ._triton import tl, triton
-from .elementwise import _lerp, _typed, adamw_scalars, lion_scalars
+from .elementwise import _decayed, _lerp, _typed, adamw_scalars, lion_scalars
 from .quant_maps import (
     _INV127,
     _INV255,
     _QB,
     _SALT_M,
     _SALT_V,
-    MAPS,
     QBLOCK,
     _block_tile,
     _decode,
-    _decode_ref,
     _encode,
-    _encode_ref,
     _ld,
     check_segments,
 )
@@ -80,6 +77,7 @@ def _adamw8_tile(
     hyper,
     BLOCK: tl.constexpr,
     MASKED: tl.constexpr,
+    CAUTIOUS: tl.constexpr,
 ):
     w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = hyper
     offs, i_b, col = _block_tile(start, BLOCK)
@@ -92,7 +90,7 @@ def _adamw8_tile(
     m = _lerp(m, g, w1)
     v = v * beta2 + (g * g) * omb2
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p * decay - step_size * tl.div_rn(m, denom)
+    p = _decayed(p, m, decay, CAUTIOUS) - step_size * tl.div_rn(m, denom)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     codes, scales = _encode(m, col, 4, 127, _INV127, True, _SALT_M, tl.int8)
     tl.store(mc_ptr + offs, codes, mask=mask)
@@ -111,6 +109,7 @@ def _adamw8_kernel(
     G_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    CAUTIOUS: tl.constexpr,  # dion's cautious_wd (elementwise.py's ``_decayed``)
 ):
     i_p = tl.program_id(0).to(tl.int64)
     row = table + i_p * 8
@@ -145,6 +144,7 @@ def _adamw8_kernel(
             hyper,
             BLOCK,
             False,
+            CAUTIOUS,
         )
     if n_full * BLOCK < count:
         _adamw8_tile(
@@ -159,6 +159,7 @@ def _adamw8_kernel(
             hyper,
             BLOCK,
             True,
+            CAUTIOUS,
         )
 
 
@@ -173,6 +174,7 @@ def _lion8_tile(
     hyper,
     BLOCK: tl.constexpr,
     MASKED: tl.constexpr,
+    CAUTIOUS: tl.constexpr,
 ):
     w1, w2, decay, lr = hyper
     offs, i_b, col = _block_tile(start, BLOCK)
@@ -185,7 +187,7 @@ def _lion8_tile(
     sign = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
     sign = tl.where(u != u, u, sign)  # NaN stays NaN, as torch.sign
     m = _lerp(m, g, w2)
-    p = p * decay - lr * sign
+    p = _decayed(p, sign, decay, CAUTIOUS) - lr * sign
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     codes, scales = _encode(m, col, 2, 127, _INV127, True, _SALT_M, tl.int8)
     tl.store(mc_ptr + offs, codes, mask=mask)
@@ -201,6 +203,7 @@ def _lion8_kernel(
     G_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    CAUTIOUS: tl.constexpr,  # dion's cautious_wd (elementwise.py's ``_decayed``)
 ):
     i_p = tl.program_id(0).to(tl.int64)
     row = table + i_p * 6
@@ -212,16 +215,17 @@ def _lion8_kernel(
     ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
     hyper = (tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2), tl.load(scalars + 3))
     n_full = count // BLOCK
+    ptrs = (p_ptr, g_ptr, mc_ptr, ms_ptr)
     for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
-        _lion8_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, i_t * BLOCK, count, hyper, BLOCK, False)
+        _lion8_tile(*ptrs, i_t * BLOCK, count, hyper, BLOCK, False, CAUTIOUS)
     if n_full * BLOCK < count:
-        _lion8_tile(p_ptr, g_ptr, mc_ptr, ms_ptr, n_full * BLOCK, count, hyper, BLOCK, True)
+        _lion8_tile(*ptrs, n_full * BLOCK, count, hyper, BLOCK, True, CAUTIOUS)
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
-def _launch_segments(kernel, name, params, grads, states, scalars, index) -> None:
+def _launch_segments(kernel, name, params, grads, states, scalars, index, cautious) -> None:
     """Checks the segments, then launches once per (param dtype, grad dtype, 16-byte alignment)
     group of them. ``states``: (name, codes, scales, map kind) per state. Scales need 4-byte
     alignment only; the others are read 16 bytes at a time when aligned. The gradients are
@@ -265,6 +269,7 @@ def _launch_segments(kernel, name, params, grads, states, scalars, index) -> Non
                 *dtypes,
                 BLOCK=config.block,
                 ALIGNED=aligned,
+                CAUTIOUS=cautious,
                 num_warps=config.num_warps,
                 # Products rounded before sums, as the torch reference: codes match it bit
                 # for bit on the GPU too (a fused multiply-add can move a rounding).
@@ -304,17 +309,27 @@ def adamw8_(
     eps: float,
     weight_decay: float,
     step: int,
+    cautious_wd: bool = False,
 ) -> None:
     """Fused AdamW on 8-bit state (``adam_m`` / ``adam_v`` maps), any number of segments;
     same math as ``adamw8_reference_``. Each segment starts on a block boundary of its
     parameter; its scales hold ceil(numel / QBLOCK) entries."""
     scalars = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
     scalars = device_scalars(scalars, params[0].device if params else torch.device("cpu"))
-    adamw8_from_(params, grads, m_codes, m_scales, v_codes, v_scales, scalars)
+    state = (m_codes, m_scales, v_codes, v_scales)
+    adamw8_from_(params, grads, *state, scalars, cautious_wd=cautious_wd)
 
 
 def adamw8_from_(
-    params, grads, m_codes, m_scales, v_codes, v_scales, scalars: Tensor, grad_index=None
+    params,
+    grads,
+    m_codes,
+    m_scales,
+    v_codes,
+    v_scales,
+    scalars: Tensor,
+    grad_index=None,
+    cautious_wd: bool = False,
 ) -> None:
     """``adamw8_`` with its runtime scalars (``adamw_scalars``' seven, fp32) read on the
     device from ``scalars`` (the engine's step table); ``grad_index``: where the gradients'
@@ -322,7 +337,8 @@ def adamw8_from_(
     if params:
         check_scalars(scalars, 7, params[0].device)
     states = [("m_codes", m_codes, m_scales, "adam_m"), ("v_codes", v_codes, v_scales, "adam_v")]
-    _launch_segments(_adamw8_kernel, "adamw8", params, grads, states, scalars, grad_index)
+    args = (params, grads, states, scalars, grad_index, cautious_wd)
+    _launch_segments(_adamw8_kernel, "adamw8", *args)
 
 
 def lion8_(
@@ -335,86 +351,21 @@ def lion8_(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    cautious_wd: bool = False,
 ) -> None:
     """Fused Lion on 8-bit momentum (``momentum`` map); same math as ``lion8_reference_``."""
     scalars = lion_scalars(lr, beta1, beta2, weight_decay)
     scalars = device_scalars(scalars, params[0].device if params else torch.device("cpu"))
-    lion8_from_(params, grads, m_codes, m_scales, scalars)
+    lion8_from_(params, grads, m_codes, m_scales, scalars, cautious_wd=cautious_wd)
 
 
-def lion8_from_(params, grads, m_codes, m_scales, scalars: Tensor, grad_index=None) -> None:
+def lion8_from_(
+    params, grads, m_codes, m_scales, scalars: Tensor, grad_index=None, cautious_wd=False
+) -> None:
     """``lion8_`` with its runtime scalars (``lion_scalars``' four, fp32) read from ``scalars``,
     its gradients through ``grad_index`` (as ``adamw8_from_``)."""
     if params:
         check_scalars(scalars, 4, params[0].device)
     states = [("m_codes", m_codes, m_scales, "momentum")]
-    _launch_segments(_lion8_kernel, "lion8", params, grads, states, scalars, grad_index)
-
-
-# ----------------------------------------------------------------------------- torch
-
-
-def _lerp_ref(start: Tensor, end: Tensor, weight: float) -> Tensor:
-    # torch.lerp's formula with each product rounded (as the kernels, fusion off).
-    diff = end - start
-    if weight < 0.5:
-        return start + weight * diff
-    return end - diff * (1.0 - weight)
-
-
-def adamw8_reference_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    m_codes: Sequence[Tensor],
-    m_scales: Sequence[Tensor],
-    v_codes: Sequence[Tensor],
-    v_scales: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
-    """AdamW (``adamw_reference_``'s math) on dequantized state, requantized after."""
-    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(
-        lr, beta1, beta2, eps, weight_decay, step
-    )
-    for p, g, mc, ms, vc, vs in zip(
-        params, grads, m_codes, m_scales, v_codes, v_scales, strict=True
-    ):
-        g32 = g.float()
-        m = _lerp_ref(_decode_ref(mc, ms, MAPS["adam_m"]), g32, w1)
-        v = _decode_ref(vc, vs, MAPS["adam_v"]) * beta2 + (g32 * g32) * omb2
-        # A tensor divisor: torch turns division by a Python scalar into a multiplication by
-        # its reciprocal (another rounding than the kernel's division).
-        denom = v.sqrt() / torch.full_like(v, bc2_sqrt) + eps
-        p.copy_(p.float() * decay - step_size * (m / denom))
-        for codes, scales, x, kind in ((mc, ms, m, "adam_m"), (vc, vs, v, "adam_v")):
-            c, s = _encode_ref(x, MAPS[kind])
-            codes.copy_(c)
-            scales.copy_(s)
-
-
-def lion8_reference_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    m_codes: Sequence[Tensor],
-    m_scales: Sequence[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-) -> None:
-    """Lion (``lion_reference_``'s math) on dequantized momentum, requantized after."""
-    for p, g, mc, ms in zip(params, grads, m_codes, m_scales, strict=True):
-        g32 = g.float()
-        m = _decode_ref(mc, ms, MAPS["momentum"])
-        update = _lerp_ref(m, g32, 1.0 - beta1).sign()
-        m = _lerp_ref(m, g32, 1.0 - beta2)
-        p.copy_(p.float() * (1.0 - lr * weight_decay) - lr * update)
-        c, s = _encode_ref(m, MAPS["momentum"])
-        mc.copy_(c)
-        ms.copy_(s)
+    args = (params, grads, states, scalars, grad_index, cautious_wd)
+    _launch_segments(_lion8_kernel, "lion8", *args)

@@ -21,6 +21,9 @@ class AdamWUpdate(Algorithm):
         h = hyper
         return adamw_scalars(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step)
 
+    def baked(self, hyper: Hyper) -> tuple:
+        return (hyper.cautious_wd,)  # the kernels' compile-time flag
+
     def update(self, job: UnitJob) -> None:
         h = job.hyper
         fn = dispatch.adamw8_ if job.quantized else dispatch.adamw_
@@ -35,6 +38,7 @@ class AdamWUpdate(Algorithm):
             eps=h.eps,
             weight_decay=h.weight_decay,
             step=job.step,
+            cautious_wd=h.cautious_wd,
             scalars=job.scalars,
             grad_index=job.grad_index,
         )
@@ -46,6 +50,9 @@ class LionUpdate(Algorithm):
 
     def scalars(self, hyper: Hyper, step: int, shape=None) -> tuple[float, ...]:
         return lion_scalars(hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay)
+
+    def baked(self, hyper: Hyper) -> tuple:
+        return (hyper.cautious_wd,)  # the kernels' compile-time flag
 
     def update(self, job: UnitJob) -> None:
         h = job.hyper
@@ -59,6 +66,7 @@ class LionUpdate(Algorithm):
             beta1=h.beta1,
             beta2=h.beta2,
             weight_decay=h.weight_decay,
+            cautious_wd=h.cautious_wd,
             scalars=job.scalars,
             grad_index=job.grad_index,
         )

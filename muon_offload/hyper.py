@@ -33,6 +33,8 @@ class Hyper:
     adjust_lr: str | None = None
     flatten: bool = False
     split_sizes: tuple[int, ...] | None = None
+    # dion's cautious weight decay: decay only where the update and the parameter agree in sign
+    cautious_wd: bool = False
 
 
 def _where(group_index: int | None, param: Tensor | None = None) -> str:
@@ -135,6 +137,7 @@ def read_hyper(group: dict, group_index: int) -> Hyper:
         )
     beta1 = _beta(group["beta1"], "beta1", group_index)
     beta2 = _beta(group["beta2"], "beta2", group_index)
+    cautious_wd = bool(group.get("cautious_wd", False))
     if algorithm == "adamw":
         return Hyper(
             "adamw",
@@ -143,8 +146,9 @@ def read_hyper(group: dict, group_index: int) -> Hyper:
             beta1=beta1,
             beta2=beta2,
             eps=_number(group, "epsilon", group_index),
+            cautious_wd=cautious_wd,
         )
-    return Hyper("lion", lr, weight_decay, beta1=beta1, beta2=beta2)
+    return Hyper("lion", lr, weight_decay, beta1=beta1, beta2=beta2, cautious_wd=cautious_wd)
 
 
 def _split_sizes(group: dict, group_index: int) -> tuple[int, ...] | None:

@@ -7,13 +7,8 @@ import pytest
 import torch
 from _kernel_utils import DEVICES, INTERPRETED, assert_close, randn, tuning_as_on_a_gpu
 from muon_offload.kernels import _launch
-from muon_offload.kernels.elementwise import (
-    _adamw_kernel,
-    adamw_,
-    adamw_reference_,
-    lion_,
-    lion_reference_,
-)
+from muon_offload.kernels.elementwise import _adamw_kernel, adamw_, lion_
+from muon_offload.kernels.elementwise_reference import adamw_reference_, lion_reference_
 
 # 1 element, sizes that are no multiple of the tile (the interpreter's is 256, chunk 1024;
 # the GPU's are 1024 to 4096), several chunks, mixed in one launch.
@@ -35,13 +30,14 @@ def _clone(tensors):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(str(x)[6:] for x in d))
 @pytest.mark.parametrize("step", [1, 7])
-def test_adamw_matches_reference(device, dtypes, step):
+@pytest.mark.parametrize("cautious_wd", [False, True], ids=["wd", "cautious_wd"])
+def test_adamw_matches_reference(device, dtypes, step, cautious_wd):
     p_dtype, g_dtype, s_dtype = dtypes
     p, g = _segments(SIZES, p_dtype, device), _segments(SIZES, g_dtype, device)
     m, v = _segments(SIZES, s_dtype, device), _segments(SIZES, s_dtype, device, positive=True)
     ref = [_clone(x) for x in (p, g, m, v)]
-    adamw_(p, g, m, v, **ADAMW, step=step)
-    adamw_reference_(*ref, **ADAMW, step=step)
+    adamw_(p, g, m, v, **ADAMW, step=step, cautious_wd=cautious_wd)
+    adamw_reference_(*ref, **ADAMW, step=step, cautious_wd=cautious_wd)
     for actual, expected in zip((p, m, v), (ref[0], ref[2], ref[3]), strict=True):
         for a, e in zip(actual, expected, strict=True):
             assert_close(a, e, exact_bf16=False)
@@ -49,7 +45,8 @@ def test_adamw_matches_reference(device, dtypes, step):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES[:3], ids=lambda d: "-".join(str(x)[6:] for x in d))
-def test_lion_matches_reference(device, dtypes):
+@pytest.mark.parametrize("cautious_wd", [False, True], ids=["wd", "cautious_wd"])
+def test_lion_matches_reference(device, dtypes, cautious_wd):
     p_dtype, g_dtype, s_dtype = dtypes
     p = _segments(SIZES, p_dtype, device)
     # Lion's update is a sign: keep lerp(m, g) away from zero (m and g of one sign, |.| >= 0.1),
@@ -64,8 +61,8 @@ def test_lion_matches_reference(device, dtypes):
         for s, n in zip(signs, SIZES, strict=True)
     ]
     ref = [_clone(x) for x in (p, g, m)]
-    lion_(p, g, m, **LION)
-    lion_reference_(*ref, **LION)
+    lion_(p, g, m, **LION, cautious_wd=cautious_wd)
+    lion_reference_(*ref, **LION, cautious_wd=cautious_wd)
     for actual, expected in zip((p, m), (ref[0], ref[2]), strict=True):
         for a, e in zip(actual, expected, strict=True):
             assert_close(a, e, exact_bf16=False)
@@ -132,7 +129,7 @@ def test_adamw_int64_offset_probe(device):
     step_scalars = (0.1, 0.95, 0.05, 1e-8, 1 - 3e-3 * 0.1, 3e-3 / (1 - 0.9), (1 - 0.95) ** 0.5)
     scalars = torch.tensor(step_scalars, dtype=F32, device=device)
     dtypes = (_launch.triton_dtype(F32),) * 4
-    _adamw_kernel[(1,)](table, grads, scalars, *dtypes, BLOCK=256, ALIGNED=False)
+    _adamw_kernel[(1,)](table, grads, scalars, *dtypes, BLOCK=256, ALIGNED=False, CAUTIOUS=False)
     adamw_reference_(*ref, **ADAMW, step=1)
     for a, e in zip((p, m, v), (ref[0][0], ref[2][0], ref[3][0]), strict=True):
         assert_close(a, e, exact_bf16=False)

@@ -10,8 +10,9 @@ import torch
 from _kernel_utils import DEVICES, INTERPRETED, bf16_ulp, randn
 from muon_offload.kernels import quant_maps
 from muon_offload.kernels import quantized_elementwise as ew8
+from muon_offload.kernels import quantized_elementwise_reference as ref8
 from muon_offload.kernels import quantized_muon as muon8
-from muon_offload.kernels.elementwise import adamw_reference_
+from muon_offload.kernels.elementwise_reference import adamw_reference_
 
 # Odd sizes: a partial last block (4097 = 16 blocks + 1, 63 < one block), one exact block,
 # several programs under the interpreter's 1024-element chunks.
@@ -143,11 +144,12 @@ def _assert_params(actual, expected):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p_dtype", [F32, BF16], ids=["fp32", "bf16"])
-def test_adamw8_matches_reference(device, p_dtype):
+@pytest.mark.parametrize("cautious_wd", [False, True], ids=["wd", "cautious_wd"])
+def test_adamw8_matches_reference(device, p_dtype, cautious_wd):
     lists = _lists(device, p_dtype, ["adam_m", "adam_v"])
     ref = _clone(lists)
-    ew8.adamw8_(*lists, **ADAMW, step=7)
-    ew8.adamw8_reference_(*ref, **ADAMW, step=7)
+    ew8.adamw8_(*lists, **ADAMW, step=7, cautious_wd=cautious_wd)
+    ref8.adamw8_reference_(*ref, **ADAMW, step=7, cautious_wd=cautious_wd)
     _assert_params(lists[0], ref[0])
     for j in range(2, 6):
         _assert_codes_match(lists[j], ref[j], device)
@@ -155,11 +157,12 @@ def test_adamw8_matches_reference(device, p_dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p_dtype", [F32, BF16], ids=["fp32", "bf16"])
-def test_lion8_matches_reference(device, p_dtype):
+@pytest.mark.parametrize("cautious_wd", [False, True], ids=["wd", "cautious_wd"])
+def test_lion8_matches_reference(device, p_dtype, cautious_wd):
     lists = _lists(device, p_dtype, ["momentum"])
     ref = _clone(lists)
-    ew8.lion8_(*lists, **LION)
-    ew8.lion8_reference_(*ref, **LION)
+    ew8.lion8_(*lists, **LION, cautious_wd=cautious_wd)
+    ref8.lion8_reference_(*ref, **LION, cautious_wd=cautious_wd)
     _assert_params(lists[0], ref[0])
     for j in (2, 3):
         _assert_codes_match(lists[j], ref[j], device)
@@ -207,7 +210,7 @@ def test_references_match_float64_rederivation():
     parameter to fp32 rounding, the new state within one code step of the float64 state."""
     lists = _lists("cpu", F32, ["adam_m", "adam_v"])
     p0, g, mc0, ms0, vc0, vs0 = _clone(lists)
-    ew8.adamw8_reference_(*lists, **ADAMW, step=3)
+    ref8.adamw8_reference_(*lists, **ADAMW, step=3)
     h = ADAMW
     for i in range(len(SIZES)):
         m = quant_maps.dequantize(mc0[i], ms0[i], "adam_m").double()
@@ -227,7 +230,7 @@ def test_references_match_float64_rederivation():
     # Lion and Muon prep: the momentum rule in float64.
     lists = _lists("cpu", F32, ["momentum"])
     p0, g, mc0, ms0 = _clone(lists)
-    ew8.lion8_reference_(*lists, **LION)
+    ref8.lion8_reference_(*lists, **LION)
     for i in range(len(SIZES)):
         m = quant_maps.dequantize(mc0[i], ms0[i], "momentum").double()
         m = LION["beta2"] * m + (1 - LION["beta2"]) * g[i].double()
@@ -296,7 +299,7 @@ def _adam_run(steps, n=4096, seed=0):
             s[: n // 4] *= 0.1
             s[dead] = 0
         g = s * (mean + torch.randn(n, generator=gen))
-        ew8.adamw8_reference_([p8], [g], [m8[0]], [m8[1]], [v8[0]], [v8[1]], **hyper, step=t)
+        ref8.adamw8_reference_([p8], [g], [m8[0]], [m8[1]], [v8[0]], [v8[1]], **hyper, step=t)
         adamw_reference_([p32], [g], [m32], [v32], **hyper, step=t)
     return (
         p8,

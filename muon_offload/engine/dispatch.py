@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..kernels import elementwise, muon, orthogonalize
+from ..kernels import elementwise, elementwise_reference, muon, orthogonalize
 from ..kernels._launch import device_scalars
 
 BACKENDS = ("auto", "triton", "torch")
@@ -28,22 +28,26 @@ def uses_triton(backend: str, device: torch.device) -> bool:
 # numbers. The torch references always take the numbers.
 # ``grad_index``: where the kernels read the gradients' addresses (the step's gradient table,
 # ``engine/grad_table.py``), None for the gradients' own; taken with ``scalars`` only.
+# ``cautious_wd``: a compile-time flag of the kernels, so it goes with the table too.
 def adamw_(
     backend: str, params, grads, exp_avgs, exp_avg_sqs, *, scalars=None, grad_index=None, **hyper
 ) -> None:
+    state = (exp_avgs, exp_avg_sqs)
     if not _use_triton(backend, params[0]):
-        elementwise.adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
+        elementwise_reference.adamw_reference_(params, grads, *state, **hyper)
     elif scalars is not None:
-        elementwise.adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars, grad_index)
+        cautious = hyper.get("cautious_wd", False)
+        elementwise.adamw_from_(params, grads, *state, scalars, grad_index, cautious)
     else:
-        elementwise.adamw_(params, grads, exp_avgs, exp_avg_sqs, **hyper)
+        elementwise.adamw_(params, grads, *state, **hyper)
 
 
 def lion_(backend: str, params, grads, exp_avgs, *, scalars=None, grad_index=None, **hyper) -> None:
     if not _use_triton(backend, params[0]):
-        elementwise.lion_reference_(params, grads, exp_avgs, **hyper)
+        elementwise_reference.lion_reference_(params, grads, exp_avgs, **hyper)
     elif scalars is not None:
-        elementwise.lion_from_(params, grads, exp_avgs, scalars, grad_index)
+        cautious = hyper.get("cautious_wd", False)
+        elementwise.lion_from_(params, grads, exp_avgs, scalars, grad_index, cautious)
     else:
         elementwise.lion_(params, grads, exp_avgs, **hyper)
 
@@ -97,12 +101,14 @@ def adamw8_(
     **hyper,
 ) -> None:
     from ..kernels import quantized_elementwise as q
+    from ..kernels import quantized_elementwise_reference as r
 
     state = (m_codes, m_scales, v_codes, v_scales)
     if not _use_triton(backend, params[0]):
-        q.adamw8_reference_(params, grads, *state, **hyper)
+        r.adamw8_reference_(params, grads, *state, **hyper)
     elif scalars is not None:
-        q.adamw8_from_(params, grads, *state, scalars, grad_index)
+        cautious = hyper.get("cautious_wd", False)
+        q.adamw8_from_(params, grads, *state, scalars, grad_index, cautious)
     else:
         q.adamw8_(params, grads, *state, **hyper)
 
@@ -111,11 +117,13 @@ def lion8_(
     backend: str, params, grads, m_codes, m_scales, *, scalars=None, grad_index=None, **hyper
 ) -> None:
     from ..kernels import quantized_elementwise as q
+    from ..kernels import quantized_elementwise_reference as r
 
     if not _use_triton(backend, params[0]):
-        q.lion8_reference_(params, grads, m_codes, m_scales, **hyper)
+        r.lion8_reference_(params, grads, m_codes, m_scales, **hyper)
     elif scalars is not None:
-        q.lion8_from_(params, grads, m_codes, m_scales, scalars, grad_index)
+        cautious = hyper.get("cautious_wd", False)
+        q.lion8_from_(params, grads, m_codes, m_scales, scalars, grad_index, cautious)
     else:
         q.lion8_(params, grads, m_codes, m_scales, **hyper)
 

@@ -1,0 +1,90 @@
+"""The torch references of quantized_elementwise.py's kernels: AdamW and Lion
+(elementwise_reference.py's math) on dequantized 8-bit state, requantized after; the CPU path,
+and what the kernels are tested against."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .elementwise import adamw_scalars
+from .elementwise_reference import cautious_decay
+from .quant_maps import MAPS, _decode_ref, _encode_ref
+
+
+def _lerp_ref(start: Tensor, end: Tensor, weight: float) -> Tensor:
+    # torch.lerp's formula with each product rounded (as the kernels, fusion off).
+    diff = end - start
+    if weight < 0.5:
+        return start + weight * diff
+    return end - diff * (1.0 - weight)
+
+
+def _store(codes: Tensor, scales: Tensor, x: Tensor, kind: str) -> None:
+    c, s = _encode_ref(x, MAPS[kind])
+    codes.copy_(c)
+    scales.copy_(s)
+
+
+def adamw8_reference_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    v_codes: Sequence[Tensor],
+    v_scales: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    cautious_wd: bool = False,
+) -> None:
+    """AdamW (``adamw_reference_``'s math) on dequantized state, requantized after;
+    ``cautious_wd``'s sign test reads the new first moment before it is requantized."""
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(
+        lr, beta1, beta2, eps, weight_decay, step
+    )
+    for p, g, mc, ms, vc, vs in zip(
+        params, grads, m_codes, m_scales, v_codes, v_scales, strict=True
+    ):
+        g32 = g.float()
+        m = _lerp_ref(_decode_ref(mc, ms, MAPS["adam_m"]), g32, w1)
+        v = _decode_ref(vc, vs, MAPS["adam_v"]) * beta2 + (g32 * g32) * omb2
+        # A tensor divisor: torch turns division by a Python scalar into a multiplication by
+        # its reciprocal (another rounding than the kernel's division).
+        denom = v.sqrt() / torch.full_like(v, bc2_sqrt) + eps
+        p32 = p.float()
+        factor = cautious_decay(m, p32, decay) if cautious_wd else decay
+        p.copy_(p32 * factor - step_size * (m / denom))
+        _store(mc, ms, m, "adam_m")
+        _store(vc, vs, v, "adam_v")
+
+
+def lion8_reference_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    m_codes: Sequence[Tensor],
+    m_scales: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    cautious_wd: bool = False,
+) -> None:
+    """Lion (``lion_reference_``'s math) on dequantized momentum, requantized after."""
+    decay = 1.0 - lr * weight_decay
+    for p, g, mc, ms in zip(params, grads, m_codes, m_scales, strict=True):
+        g32 = g.float()
+        m = _decode_ref(mc, ms, MAPS["momentum"])
+        update = _lerp_ref(m, g32, 1.0 - beta1).sign()
+        m = _lerp_ref(m, g32, 1.0 - beta2)
+        p32 = p.float()
+        factor = cautious_decay(update, p32, decay) if cautious_wd else decay
+        p.copy_(p32 * factor - lr * update)
+        _store(mc, ms, m, "momentum")
