@@ -267,7 +267,7 @@ def test_interleaved_muon_and_elementwise_chunks_equal_resident_bitwise(resident
     """Streamed element-wise chunks run between the Muon ones (planner._interleave), and a
     split AdamW parameter's pieces run out of their order: each chunk updates its own
     elements, so the result is bitwise the resident, unchunked step's, over several steps."""
-    from muon_offload.engine.planner import holds_muon
+    from muon_offload.engine.planner import holds_matrices
 
     gen = torch.Generator().manual_seed(2026)
     init = [torch.randn(s, generator=gen) for s in MIXED_SHAPES]
@@ -281,7 +281,7 @@ def test_interleaved_muon_and_elementwise_chunks_equal_resident_bitwise(resident
     offloaded = run(**kwargs)
     plan = next(iter(offloaded[1]._plans.values()))[0]
     kinds = "".join(
-        "r" if c.resident else "M" if holds_muon(c) else "e" for c in plan.chunks
+        "r" if c.resident else "M" if holds_matrices(c) else "e" for c in plan.chunks
     ).lstrip("r")
     # Several of each kind, element-wise ones between Muon ones, not a tail.
     assert kinds.count("M") >= 4 and kinds.count("e") >= 4, kinds

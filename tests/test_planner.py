@@ -10,10 +10,10 @@ from muon_offload.engine import planner
 from muon_offload.engine.planner import (
     SEGMENT_ALIGN,
     ElementwiseUnit,
-    MuonUnit,
+    MatrixUnit,
     ParamInfo,
     elementwise_only,
-    holds_muon,
+    holds_matrices,
     plan_step,
 )
 
@@ -44,35 +44,42 @@ def _random_params(rng, n=40, resident_share=0.0):
                 plan_bytes=numel * per,
                 batch_key=key,
                 resident=rng.random() < resident_share,
+                elementwise=algorithm != "muon",
             )
         )
     return params
 
 
+def _matrix(index, numel, key, resident=True, group=0, algorithm="muon"):
+    """A matrix parameter of fp32 state (4 bytes an element), as Muon's."""
+    return ParamInfo(index, group, algorithm, numel, 4 * numel, key, resident, elementwise=False)
+
+
 def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
     by_index = {p.index: p for p in params}
-    muon_seen = []
-    covered = {p.index: [] for p in params if p.algorithm != "muon"}
+    matrix_seen = []
+    covered = {p.index: [] for p in params if p.elementwise}
     for chunk in plan.chunks:
         assert chunk.plan_bytes == sum(u.plan_bytes for u in chunk.units)
         budget = chunk_bytes
         if chunk.resident and resident_chunk_bytes is not None:
             budget = resident_chunk_bytes
-        # Over budget only as a lone oversized muon unit, or by less than one aligned
+        # Over budget only as a lone oversized matrix unit, or by less than one aligned
         # element-wise cut when the budget is smaller than that. Only streamed parameters
         # are reported as oversized (they size the staging arena).
         if chunk.plan_bytes > max(budget, SEGMENT_ALIGN * 8):
-            assert len(chunk.units) == 1 and isinstance(chunk.units[0], MuonUnit)
+            assert len(chunk.units) == 1 and isinstance(chunk.units[0], MatrixUnit)
             assert len(chunk.units[0].params) == 1
             assert (chunk.units[0].params[0] in plan.oversized) == (not chunk.resident)
         for unit in chunk.units:
-            if isinstance(unit, MuonUnit):
+            if isinstance(unit, MatrixUnit):
                 members = [by_index[i] for i in unit.params]
                 assert {m.group for m in members} == {unit.group}
                 assert len({m.batch_key for m in members}) == 1
                 assert {m.resident for m in members} == {chunk.resident}
                 assert unit.plan_bytes == sum(m.plan_bytes for m in members)
-                muon_seen.extend(unit.params)
+                assert {m.algorithm for m in members} == {unit.algorithm}
+                matrix_seen.extend(unit.params)
             else:
                 assert isinstance(unit, ElementwiseUnit)
                 for seg in unit.segments:
@@ -80,8 +87,8 @@ def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
                     assert by_index[seg.param].resident == chunk.resident
                     covered[seg.param].append((seg.start, seg.stop))
                     assert seg.start % SEGMENT_ALIGN == 0
-    # Every muon parameter in exactly one unit: a packed parameter is updated once per step.
-    assert sorted(muon_seen) == sorted(p.index for p in params if p.algorithm == "muon")
+    # Every matrix parameter in exactly one unit: a packed parameter is updated once per step.
+    assert sorted(matrix_seen) == sorted(p.index for p in params if not p.elementwise)
     # Element-wise parameters covered exactly, without overlap (the chunks holding a
     # parameter's segments need not run in the segments' order: ``_interleave``).
     for index, ranges in covered.items():
@@ -120,7 +127,7 @@ def test_resident_and_streamed_parts_take_their_own_budgets(seed, budgets):
 
 
 def test_large_embedding_is_split_so_no_chunk_goes_over_budget():
-    emb = ParamInfo(0, 0, "adamw", numel=1_000_003, plan_bytes=8_000_024)
+    emb = ParamInfo(0, 0, "adamw", numel=1_000_003, plan_bytes=8_000_024, elementwise=True)
     plan = plan_step([emb], chunk_bytes=1 << 20)
     assert len(plan.chunks) == 8
     assert all(c.plan_bytes <= 1 << 20 for c in plan.chunks)
@@ -129,8 +136,8 @@ def test_large_embedding_is_split_so_no_chunk_goes_over_budget():
 
 @pytest.mark.parametrize("resident", [False, True])
 def test_oversized_matrix_gets_its_own_chunk(resident):
-    small = [ParamInfo(i, 0, "muon", 100, 400, ("s",), resident) for i in range(3)]
-    big = ParamInfo(3, 0, "muon", 10_000, 40_000, ("b",), resident)
+    small = [_matrix(i, 100, ("s",), resident) for i in range(3)]
+    big = _matrix(3, 10_000, ("b",), resident)
     plan = plan_step(small + [big], chunk_bytes=1000)
     # Reported only when streamed: a resident one sizes no staging buffer.
     assert plan.oversized == (() if resident else (3,))
@@ -138,7 +145,7 @@ def test_oversized_matrix_gets_its_own_chunk(resident):
 
 
 def test_units_batch_same_shape_up_to_the_budget():
-    params = [ParamInfo(i, 0, "muon", 100, 400, ("a" if i % 2 else "b",)) for i in range(10)]
+    params = [_matrix(i, 100, ("a" if i % 2 else "b",)) for i in range(10)]
     plan = plan_step(params, chunk_bytes=1200)
     units = [u.params for u in plan.units()]
     assert units == [(0, 2, 4), (6, 8), (1, 3, 5), (7, 9)]
@@ -167,14 +174,14 @@ def _packed(monkeypatch, *args):
         return plan_step(*args)
 
 
-def _muon_bytes(chunk):
-    return sum(u.plan_bytes for u in chunk.units if isinstance(u, MuonUnit))
+def _matrix_bytes(chunk):
+    return sum(u.plan_bytes for u in chunk.units if isinstance(u, MatrixUnit))
 
 
 def _check_interleaved(plan, packed):
-    """``plan`` runs ``packed``'s chunks: resident ones first and unchanged, muon-holding and
+    """``plan`` runs ``packed``'s chunks: resident ones first and unchanged, matrix-holding and
     element-wise-only ones each in their packed order, the element-wise ones spread so that
-    after each muon chunk the element-wise bytes issued are within half the largest
+    after each matrix chunk the element-wise bytes issued are within half the largest
     element-wise chunk of their share (``_interleave``'s rule)."""
     assert Counter(plan.chunks) == Counter(packed.chunks)  # the packing is unchanged
     assert plan.oversized == packed.oversized
@@ -182,31 +189,31 @@ def _check_interleaved(plan, packed):
     assert plan.chunks[:n_resident] == packed.chunks[:n_resident]
     streamed, packed_streamed = plan.chunks[n_resident:], packed.chunks[n_resident:]
     assert all(not c.resident for c in streamed)
-    muon = [c for c in streamed if holds_muon(c)]
-    others = [c for c in streamed if not holds_muon(c)]
-    assert muon == [c for c in packed_streamed if holds_muon(c)]
-    assert others == [c for c in packed_streamed if not holds_muon(c)]
-    if not muon or not others:
+    matrix = [c for c in streamed if holds_matrices(c)]
+    others = [c for c in streamed if not holds_matrices(c)]
+    assert matrix == [c for c in packed_streamed if holds_matrices(c)]
+    assert others == [c for c in packed_streamed if not holds_matrices(c)]
+    if not matrix or not others:
         assert streamed == packed_streamed
         return
-    assert holds_muon(streamed[0])  # nothing to hide an element-wise load before the first
-    m_total = sum(max(1, _muon_bytes(c)) for c in muon)
+    assert holds_matrices(streamed[0])  # nothing to hide an element-wise load before the first
+    m_total = sum(max(1, _matrix_bytes(c)) for c in matrix)
     e_total = sum(max(1, c.plan_bytes) for c in others)
     e_max = max(max(1, c.plan_bytes) for c in others)
     m_done = e_done = 0
     for k, chunk in enumerate(streamed):
-        if holds_muon(chunk):
-            m_done += max(1, _muon_bytes(chunk))
+        if holds_matrices(chunk):
+            m_done += max(1, _matrix_bytes(chunk))
         else:
             e_done += max(1, chunk.plan_bytes)
-        if k + 1 == len(streamed) or holds_muon(streamed[k + 1]):
+        if k + 1 == len(streamed) or holds_matrices(streamed[k + 1]):
             # |e_done / e_total - m_done / m_total| <= e_max / 2 / e_total
             assert abs(2 * e_done * m_total - 2 * m_done * e_total) <= e_max * m_total
 
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 9000, 50_000, 10**9])
-def test_streamed_chunks_interleave_elementwise_among_muon(seed, chunk_bytes, monkeypatch):
+def test_streamed_chunks_interleave_elementwise_among_matrix_chunks(seed, chunk_bytes, monkeypatch):
     rng = random.Random(seed)
     params = _random_params(rng, n=rng.choice([5, 40, 120]), resident_share=[0.0, 0.3][seed % 2])
     plan = plan_step(params, chunk_bytes, 20_000)
@@ -215,8 +222,10 @@ def test_streamed_chunks_interleave_elementwise_among_muon(seed, chunk_bytes, mo
 
 
 def test_interleave_leaves_one_kind_alone(monkeypatch):
-    muon = [ParamInfo(i, 0, "muon", 100, 400, ("a",), resident=False) for i in range(6)]
-    adamw = [ParamInfo(6 + i, 1, "adamw", 100, 800, resident=False) for i in range(6)]
+    muon = [_matrix(i, 100, ("a",), resident=False) for i in range(6)]
+    adamw = [
+        ParamInfo(6 + i, 1, "adamw", 100, 800, resident=False, elementwise=True) for i in range(6)
+    ]
     for params in (muon, adamw):
         plan = plan_step(params, 1000)
         assert len(plan.chunks) > 2
@@ -238,6 +247,7 @@ def _workload_infos(specs):
                 plan_bytes=s.numel * (4 if muon else 8),
                 batch_key=(s.shape, "f32") if muon else None,
                 resident=False,
+                elementwise=not muon,
             )
         )
     return infos
@@ -253,7 +263,7 @@ def test_llama3_adamw_chunks_run_among_muon_ones_not_as_a_tail(layers, monkeypat
 
     infos = _workload_infos(llama3_8b_fsdp8_rank(layers))
     plan = plan_step(infos, 128 << 20)
-    kinds = "".join("M" if holds_muon(c) else "e" for c in plan.chunks)
+    kinds = "".join("M" if holds_matrices(c) else "e" for c in plan.chunks)
     n_muon, n_elementwise = kinds.count("M"), kinds.count("e")
     assert n_muon >= 5 and n_elementwise >= 7, kinds
     longest = max(len(run) for run in kinds.split("M"))
@@ -264,9 +274,9 @@ def test_llama3_adamw_chunks_run_among_muon_ones_not_as_a_tail(layers, monkeypat
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 9000, 50_000, 10**9])
-def test_elementwise_only_marks_the_chunks_without_muon_units(seed, chunk_bytes):
+def test_elementwise_only_marks_the_chunks_without_matrix_units(seed, chunk_bytes):
     """One flag a chunk, in run order (resident chunks too): True exactly when the chunk
-    holds no muon unit; a chunk with muon units and element-wise ones is not marked."""
+    holds no matrix unit; a chunk with matrix units and element-wise ones is not marked."""
     rng = random.Random(seed)
     params = _random_params(rng, n=rng.choice([5, 40, 120]), resident_share=[0.0, 0.3][seed % 2])
     plan = plan_step(params, chunk_bytes, 20_000)
@@ -274,14 +284,14 @@ def test_elementwise_only_marks_the_chunks_without_muon_units(seed, chunk_bytes)
     assert len(flags) == len(plan.chunks)
     for chunk, flag in zip(plan.chunks, flags, strict=True):
         assert flag == all(isinstance(u, ElementwiseUnit) for u in chunk.units)
-    mixed = [c for c in plan.chunks if holds_muon(c) and len({type(u) for u in c.units}) == 2]
+    mixed = [c for c in plan.chunks if holds_matrices(c) and len({type(u) for u in c.units}) == 2]
     assert all(not flags[plan.chunks.index(c)] for c in mixed)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_unmarked_chunks_hold_the_same_muon_units_in_order_on_every_rank(seed):
+def test_unmarked_chunks_hold_the_same_matrix_units_in_order_on_every_rank(seed):
     """Ranks whose element-wise shards differ in size (their chunks are cut on local sizes)
-    have the same muon units, in the same order, in the chunks ``elementwise_only`` leaves
+    have the same matrix units, in the same order, in the chunks ``elementwise_only`` leaves
     unmarked: those that the scheduler runs in plan order on the compute stream, where their
     collectives are issued."""
     rng = random.Random(seed)
@@ -290,7 +300,7 @@ def test_unmarked_chunks_hold_the_same_muon_units_in_order_on_every_rank(seed):
     for _ in range(2):
         other = []
         for p in params:
-            if p.algorithm != "muon":
+            if p.elementwise:
                 numel = max(1, p.numel + rng.randrange(-p.numel // 2, p.numel))
                 p = dataclasses.replace(
                     p, numel=numel, plan_bytes=numel * (p.plan_bytes // p.numel)
@@ -303,10 +313,65 @@ def test_unmarked_chunks_hold_the_same_muon_units_in_order_on_every_rank(seed):
         flags = elementwise_only(plan)
         lanes.append(
             [
-                [u for u in c.units if isinstance(u, MuonUnit)]
+                [u for u in c.units if isinstance(u, MatrixUnit)]
                 for c, flag in zip(plan.chunks, flags, strict=True)
                 if not flag
             ]
         )
         assert sum(flags) > 0
     assert lanes[0] == lanes[1] == lanes[2] and lanes[0]
+
+
+def _renamed(infos_or_plan, old, new):
+    """ParamInfos, or a plan's units, with algorithm ``old`` named ``new`` (all else kept)."""
+
+    def rename(x):
+        return dataclasses.replace(x, algorithm=new) if x.algorithm == old else x
+
+    if isinstance(infos_or_plan, list):
+        return [rename(p) for p in infos_or_plan]
+    chunks = tuple(
+        dataclasses.replace(c, units=tuple(map(rename, c.units))) for c in infos_or_plan.chunks
+    )
+    return dataclasses.replace(infos_or_plan, chunks=chunks)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("chunk_bytes", [100, 9000, 10**9])
+def test_a_matrix_algorithm_of_any_name_batches_as_muon_does(seed, chunk_bytes):
+    """The planner asks ``ParamInfo.elementwise``, not the name: a made-up non-element-wise
+    algorithm is planned exactly as Muon is, its units carry its name, and beside Muon (in a
+    group of its own) each group's units carry their own algorithm."""
+    params = _random_params(random.Random(seed), n=60, resident_share=0.3)
+    muon_plan = plan_step(params, chunk_bytes, 20_000)
+    renamed = _renamed(params, "muon", "shampoo-like")
+    plan = plan_step(renamed, chunk_bytes, 20_000)
+    _check_plan(renamed, plan, chunk_bytes, 20_000)
+    assert plan == _renamed(muon_plan, "muon", "shampoo-like")
+    matrix_units = [u for u in plan.units() if isinstance(u, MatrixUnit)]
+    assert matrix_units and {u.algorithm for u in matrix_units} == {"shampoo-like"}
+    # Muon in group 0, the made-up one in group 1 (element-wise groups 1 and 2 become 2 and 3).
+    both = [dataclasses.replace(p, group=p.group + (p.group > 0 or p.index % 2)) for p in params]
+    both = [dataclasses.replace(p, algorithm="shampoo-like") if p.group == 1 else p for p in both]
+    plan = plan_step(both, chunk_bytes, 20_000)
+    _check_plan(both, plan, chunk_bytes, 20_000)
+    names = {u.group: u.algorithm for u in plan.units() if isinstance(u, MatrixUnit)}
+    assert names == {0: "muon", 1: "shampoo-like"}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_name_muon_makes_no_matrix_unit(seed):
+    """A parameter whose algorithm is element-wise is cut into segments whatever its name:
+    named "muon", it is planned exactly as under any other element-wise name."""
+    params = _random_params(random.Random(seed), n=60)
+    flat = [dataclasses.replace(p, elementwise=True, batch_key=None) for p in params]
+    plan = plan_step(flat, 9000)
+    _check_plan(flat, plan, 9000)
+    assert not any(isinstance(u, MatrixUnit) for u in plan.units())
+    assert _renamed(plan, "muon", "other") == plan_step(_renamed(flat, "muon", "other"), 9000)
+
+
+def test_param_info_says_whether_it_is_elementwise():
+    """No default: a caller that forgets the flag is told, not given one kind silently."""
+    with pytest.raises(TypeError, match="elementwise"):
+        ParamInfo(0, 0, "adamw", 10, 80)

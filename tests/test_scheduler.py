@@ -427,7 +427,7 @@ def test_optimizer_runs_elementwise_only_chunks_on_the_side_stream(
     units (element-wise units riding along with the last one) with the compute stream current;
     every chunk is called in plan order. Four steps equal the resident step bitwise."""
     from muon_offload.engine import optimizer as engine
-    from muon_offload.engine.planner import elementwise_only, holds_muon
+    from muon_offload.engine.planner import elementwise_only, holds_matrices
 
     cuda = _Cuda(monkeypatch)
     ran = []
@@ -453,7 +453,7 @@ def test_optimizer_runs_elementwise_only_chunks_on_the_side_stream(
     plan = next(iter(off._plans.values()))[0]
 
     def kind(c):
-        if not holds_muon(c):
+        if not holds_matrices(c):
             return "e"
         return "M" if all(u.algorithm == "muon" for u in c.units) else "M+"
 

@@ -22,7 +22,7 @@ from ..distributed import DTensor, Mesh, local, run_tasks
 from ..hyper import Hyper, StepWork
 from ..kernels._grad_index import GradIndex
 from .algorithm import Algorithm, UnitJob
-from .planner import Chunk, MuonUnit, Unit, unit_params
+from .planner import Chunk, MatrixUnit, Unit, unit_params
 
 _grad = attrgetter("grad")
 
@@ -44,7 +44,7 @@ class StepContext:
 
 def unit_items(unit: Unit, work) -> list[tuple[Tensor, slice | None]]:
     """(parameter, flat element range, or None for the whole) of each item of a unit."""
-    if isinstance(unit, MuonUnit):
+    if isinstance(unit, MatrixUnit):
         return [(work[i][1], None) for i in unit.params]
     return [(work[s.param][1], slice(s.start, s.stop)) for s in unit.segments]
 

@@ -33,7 +33,7 @@ from ..kernels._launch import ALIGN_BYTES
 from . import dispatch
 from .chunks import ChunkLayout
 from .host_ring import HostRing
-from .planner import MuonUnit
+from .planner import MatrixUnit
 
 
 def grad_table(table: GradTable | None, backend: str, device) -> GradTable | None:
@@ -46,7 +46,7 @@ def grad_table(table: GradTable | None, backend: str, device) -> GradTable | Non
 
 def _positions(unit) -> Sequence[int]:
     """Each item's parameter, as its position in the step's work."""
-    return unit.params if isinstance(unit, MuonUnit) else [s.param for s in unit.segments]
+    return unit.params if isinstance(unit, MatrixUnit) else [s.param for s in unit.segments]
 
 
 class GradTable:

@@ -217,6 +217,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             index=index,
             group=group,
             algorithm=hyper.algorithm,
+            elementwise=self.algorithms[hyper.algorithm].elementwise,
             numel=local(p).numel(),
             plan_bytes=self._budget_bytes(p, hyper),
             batch_key=(tuple(p.shape), p.dtype, fmt, self._placement(group, p, hyper)),

@@ -1,31 +1,35 @@
 """The chunk planner: pure Python, no tensors, so it is tested without a GPU.
 
 A step's work is cut into *units*, and units are packed into *chunks* of at most
-``chunk_bytes`` of optimizer state, the amount that crosses PCIe together.
+``chunk_bytes`` of optimizer state, the amount that crosses PCIe together. The planner knows
+no algorithm by name: each parameter says whether its algorithm is element-wise
+(``ParamInfo.elementwise``, from ``Algorithm.elementwise``).
 
-- A muon unit is a batch of same-shape, same-dtype, same-placement parameters: the batch
-  that is orthogonalized together. A parameter is never split across units, so a packed
-  parameter (dion's ``split_sizes``) or a 3-D stack of matrices is updated exactly once.
+- A matrix unit (``MatrixUnit``) batches whole parameters of a non-element-wise algorithm
+  (Muon) that share a ``batch_key`` (shape, dtype, state format, placement): for Muon, the
+  batch that is orthogonalized together. A parameter is never split across units, so a
+  packed parameter (dion's ``split_sizes``) or a 3-D stack of matrices is updated exactly once.
 - Element-wise (adamw, lion) state has no structure to respect, so a parameter is cut
   anywhere (on a multiple of SEGMENT_ALIGN elements) into segments, and no chunk is forced
   over budget by a large embedding.
-- A single muon parameter larger than ``chunk_bytes`` becomes a unit and a chunk of its own.
-- Within each part (resident, streamed) muon units are packed first, then element-wise
+- A single matrix parameter larger than ``chunk_bytes`` becomes a unit and a chunk of its own.
+- Within each part (resident, streamed) matrix units are packed first, then element-wise
   parameters. A plan lists its chunks in the order they run: the resident ones first, as
   packed; then the streamed ones, with the chunks that hold only element-wise units spread
-  among those that hold muon units (``_interleave``), so that the orthogonalization of muon
-  chunks hides the transfers of element-wise ones, which have almost no arithmetic.
-  ``elementwise_only`` names the chunks that hold no muon unit: the scheduler runs their
-  updates on a stream of their own, beside the muon chunks' (scheduler.py).
+  among those that hold matrix units (``_interleave``), so that the arithmetic of the matrix
+  chunks (Muon's orthogonalization) hides the transfers of element-wise ones, which have
+  almost no arithmetic. ``elementwise_only`` names the chunks that hold no matrix unit: the
+  scheduler runs their updates on a stream of their own, beside the matrix chunks'
+  (scheduler.py).
 - State that stays on the GPU (resident) crosses no bus, so its chunks only sequence the
   work: they take their own budget, ``resident_chunk_bytes``, larger by default (engine.py),
-  so that Muon batches are larger and a resident step issues fewer launches.
+  so that matrix batches are larger and a resident step issues fewer launches.
 
 Budgets are counted in ``plan_bytes``: a parameter's state bytes computed from its *global*
 size divided by the mesh size, identical on every rank, so under sharding every rank cuts
-the same units into the same chunks (never cut on local shard sizes). Muon state narrower
-than fp32 (bf16, 8-bit) counts as fp32 (state.py ``_budget_bytes``): a Muon chunk's GPU work
-buffers grow with its matrices, whatever the state's width.
+the same units into the same chunks (never cut on local shard sizes). Matrix state narrower
+than fp32 (bf16, 8-bit) counts as fp32 (state.py ``_budget_bytes``): a matrix chunk's GPU work
+buffers (Muon's) grow with its matrices, whatever the state's width.
 """
 
 from __future__ import annotations
@@ -45,10 +49,11 @@ class ParamInfo:
 
     index: int  # position in the optimizer's flat parameter order
     group: int
-    algorithm: str  # "muon", "adamw" or "lion"
+    algorithm: str  # the name of the group's algorithm (the optimizer's ``algorithms`` key)
     numel: int  # local elements (the shard on this rank)
-    plan_bytes: int  # bytes for budgeting: global state bytes (Muon: at least fp32) / mesh size
-    batch_key: Hashable = None  # muon: (shape, dtype, placement); params batch only if equal
+    plan_bytes: int  # bytes for budgeting: global state bytes (matrix: at least fp32) / mesh size
+    # Matrix parameters: (shape, dtype, state format, placement); they batch only if equal.
+    batch_key: Hashable = None
     resident: bool = True  # state kept on the GPU (never streamed)
     # Element-wise cuts fall on multiples of this many elements: SEGMENT_ALIGN, or a multiple
     # of the quantization block for 8-bit state, so no block spans two chunks.
@@ -56,12 +61,18 @@ class ParamInfo:
     # Element-wise parameters share a unit only with the same key (the state format): one
     # unit is one kernel's work.
     unit_key: Hashable = None
+    # Whether the algorithm may see the parameter cut into segments (``Algorithm.elementwise``):
+    # False makes it a matrix parameter, kept whole and batched by ``batch_key``. Required, so
+    # that no caller gets one kind by default.
+    elementwise: bool = field(kw_only=True)
 
 
 @dataclass(frozen=True)
-class MuonUnit:
-    algorithm = "muon"  # a class attribute, not a field: every MuonUnit is one
+class MatrixUnit:
+    """Whole parameters of one group, batched by ``ParamInfo.batch_key`` (a Muon batch)."""
+
     group: int
+    algorithm: str
     params: tuple[int, ...]
     plan_bytes: int
 
@@ -82,12 +93,12 @@ class ElementwiseUnit:
     key: Hashable = None  # the ParamInfo.unit_key its parameters share
 
 
-Unit = MuonUnit | ElementwiseUnit
+Unit = MatrixUnit | ElementwiseUnit
 
 
 def unit_params(unit: Unit) -> list[int]:
     """The parameter indices a unit updates (an element-wise one may list one several times)."""
-    if isinstance(unit, MuonUnit):
+    if isinstance(unit, MatrixUnit):
         return list(unit.params)
     return [s.param for s in unit.segments]
 
@@ -102,7 +113,7 @@ class Chunk:
 @dataclass(frozen=True)
 class Plan:
     chunks: tuple[Chunk, ...]
-    # Streamed Muon parameters that alone exceed chunk_bytes (each got a chunk of its own).
+    # Streamed matrix parameters that alone exceed chunk_bytes (each got a chunk of its own).
     oversized: tuple[int, ...] = ()
 
     def units(self):
@@ -115,8 +126,8 @@ def plan_step(
     """Cut the step's parameters into units and pack the units into chunks: streamed ones
     within ``chunk_bytes``, resident ones within ``resident_chunk_bytes`` (default the same).
 
-    Resident chunks come first. Within each part, units are packed muon units first, then
-    element-wise parameters; groups keep their order, muon units keep their parameters'
+    Resident chunks come first. Within each part, units are packed matrix units first, then
+    element-wise parameters; groups keep their order, matrix units keep their parameters'
     first-seen order, and element-wise parameters keep theirs. The streamed chunks then run
     in ``_interleave``'s order; the resident ones run as packed (they cross no bus, so there
     is nothing to hide).
@@ -137,8 +148,8 @@ def plan_step(
         packer = _Packer(budget, resident)
         # Only a streamed parameter over budget is worth a notice: it sizes the staging arena.
         for item in _units_in_order(part, budget, [] if resident else oversized):
-            if isinstance(item, MuonUnit):
-                packer.add_muon(item)
+            if isinstance(item, MatrixUnit):
+                packer.add_matrix(item)
             else:
                 packer.add_elementwise(item)
         packed = packer.finish()
@@ -146,62 +157,64 @@ def plan_step(
     return Plan(tuple(chunks), tuple(oversized))
 
 
-def holds_muon(chunk: Chunk) -> bool:
-    """Whether a chunk holds muon units (and so, under sharding, collectives)."""
-    return any(isinstance(u, MuonUnit) for u in chunk.units)
+def holds_matrices(chunk: Chunk) -> bool:
+    """Whether a chunk holds matrix units: its update is compute-bound (Muon's matrix
+    products) and, under sharding, issues collectives."""
+    return any(isinstance(u, MatrixUnit) for u in chunk.units)
 
 
 def elementwise_only(plan: Plan) -> tuple[bool, ...]:
-    """Per chunk of ``plan``, in run order: whether it holds no muon unit. Such a chunk issues
-    no collective and its update is memory-bound (no matrix products), so it may run beside
-    the muon chunks' compute-bound updates (the scheduler's side stream). A chunk that holds
-    both (the element-wise units packed into the last muon chunk) counts as muon."""
-    return tuple(not holds_muon(c) for c in plan.chunks)
+    """Per chunk of ``plan``, in run order: whether it holds no matrix unit. Such a chunk
+    issues no collective and its update is memory-bound (no matrix products), so it may run
+    beside the matrix chunks' compute-bound updates (the scheduler's side stream). A chunk that
+    holds both (the element-wise units packed into the last matrix chunk) counts as a matrix
+    chunk."""
+    return tuple(not holds_matrices(c) for c in plan.chunks)
 
 
 def _interleave(chunks: list[Chunk]) -> list[Chunk]:
-    """The order streamed chunks run in: the chunks that hold muon units in their packed
+    """The order streamed chunks run in: the chunks that hold matrix units in their packed
     order, with the element-wise-only chunks (in their packed order) spread among them.
 
-    Why: a muon chunk is compute-bound, its orthogonalization outlasts the next chunk's load;
-    an element-wise chunk is almost pure transfer. Run after all the muon chunks (the packed
-    order), the element-wise ones made an unhidden tail of loads and stores
+    Why: a matrix chunk is compute-bound (Muon's orthogonalization outlasts the next chunk's
+    load); an element-wise chunk is almost pure transfer. Run after all the matrix chunks (the
+    packed order), the element-wise ones made an unhidden tail of loads and stores
     (llama3-8b-fsdp8-rank on an H200: ~1 GB of AdamW state each way, 0.137 s offloaded
     against 0.116 s resident and a 0.094 s transfer floor). Spread out, their transfers run
-    under the muon chunks' arithmetic.
+    under the matrix chunks' arithmetic.
 
-    Rule (integers only, so deterministic): each muon chunk weighs its muon units' plan_bytes,
-    each element-wise-only chunk its plan_bytes (at least 1 each). Element-wise chunk j runs
-    right after the first muon chunk by which the muon share issued, sum(muon weights so
-    far) / sum(muon weights), reaches the midpoint of chunk j's element-wise share,
-    (weights before j + weight j / 2) / sum(element-wise weights). So the element-wise bytes
-    issued stay proportional to the muon bytes issued, to within half an element-wise
-    chunk after each muon chunk; none runs before the first muon chunk, and after the last
-    only about half a share.
+    Rule (integers only, so deterministic): each matrix chunk weighs its matrix units'
+    plan_bytes, each element-wise-only chunk its plan_bytes (at least 1 each). Element-wise
+    chunk j runs right after the first matrix chunk by which the matrix share issued,
+    sum(matrix weights so far) / sum(matrix weights), reaches the midpoint of chunk j's
+    element-wise share, (weights before j + weight j / 2) / sum(element-wise weights). So the
+    element-wise bytes issued stay proportional to the matrix bytes issued, to within half an
+    element-wise chunk after each matrix chunk; none runs before the first matrix chunk, and
+    after the last only about half a share.
 
-    Under sharding this is safe: muon units are packed before element-wise parameters, on
-    global sizes (plan_bytes), so every rank has the same muon-holding chunks with the same
-    muon units, and they keep their relative order here: every rank issues the same
+    Under sharding this is safe: matrix units are packed before element-wise parameters, on
+    global sizes (plan_bytes), so every rank has the same matrix-holding chunks with the same
+    matrix units, and they keep their relative order here: every rank issues the same
     collectives in the same order (``distributed.run_tasks`` issues them in task order,
     ``chunks.run_chunk`` runs a chunk's units in order). Element-wise units issue no
     collective; their chunks are cut on local sizes, so their number and place may differ
-    by rank. The weights of muon chunks count muon units only, equal on every rank; the
-    element-wise units that share the last muon chunk ride with it. With no muon chunk, or
-    no element-wise-only chunk, the order is the packed one. Chunks are independent (each
+    by rank. The weights of matrix chunks count matrix units only, equal on every rank; the
+    element-wise units that share the last matrix chunk ride with it. With no matrix chunk,
+    or no element-wise-only chunk, the order is the packed one. Chunks are independent (each
     updates its own parameters' elements), so the order changes no result.
     """
-    muon = [c for c in chunks if holds_muon(c)]
-    others = [c for c in chunks if not holds_muon(c)]
-    if not muon or not others:
+    matrix = [c for c in chunks if holds_matrices(c)]
+    others = [c for c in chunks if not holds_matrices(c)]
+    if not matrix or not others:
         return chunks
     m_weights = [
-        max(1, sum(u.plan_bytes for u in c.units if isinstance(u, MuonUnit))) for c in muon
+        max(1, sum(u.plan_bytes for u in c.units if isinstance(u, MatrixUnit))) for c in matrix
     ]
     e_weights = [max(1, c.plan_bytes) for c in others]
     m_total, e_total = sum(m_weights), sum(e_weights)
     order: list[Chunk] = []
     j = e_before = m_done = 0
-    for chunk, weight in zip(muon, m_weights, strict=True):
+    for chunk, weight in zip(matrix, m_weights, strict=True):
         order.append(chunk)
         m_done += weight
         # (e_before + e_weights[j] / 2) / e_total <= m_done / m_total, times 2 * totals.
@@ -209,22 +222,23 @@ def _interleave(chunks: list[Chunk]) -> list[Chunk]:
             order.append(others[j])
             e_before += e_weights[j]
             j += 1
-    return order  # the last muon chunk has m_done == m_total: every chunk was placed
+    return order  # the last matrix chunk has m_done == m_total: every chunk was placed
 
 
 def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: list[int]):
-    """Yield muon units (groups in order), then element-wise ParamInfos (groups in order).
+    """Yield matrix units (groups in order), then element-wise ParamInfos (groups in order).
 
-    Muon units are packed first so that under sharding, where element-wise parameters are
-    cut on local sizes, the muon units (and so the collectives) fall into the same chunks on
-    every rank (``_interleave`` then changes the order chunks run in, not their contents)."""
+    Matrix units are packed first so that under sharding, where element-wise parameters are
+    cut on local sizes, the matrix units (and so the collectives) fall into the same chunks
+    on every rank (``_interleave`` then changes the order chunks run in, not their
+    contents). A group has one algorithm, so its first member says whether it is element-wise."""
     groups: dict[int, list[ParamInfo]] = {}
     for p in params:
         groups.setdefault(p.group, []).append(p)
     for members in groups.values():
-        if members[0].algorithm != "muon":
+        if members[0].elementwise:
             continue
-        group = members[0].group
+        group, algorithm = members[0].group, members[0].algorithm
         buckets: dict[Hashable, list[ParamInfo]] = {}
         for p in members:
             buckets.setdefault(p.batch_key, []).append(p)
@@ -233,16 +247,16 @@ def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: li
             unit_bytes = 0
             for p in bucket:
                 if unit and unit_bytes + p.plan_bytes > chunk_bytes:
-                    yield MuonUnit(group, tuple(q.index for q in unit), unit_bytes)
+                    yield MatrixUnit(group, algorithm, tuple(q.index for q in unit), unit_bytes)
                     unit, unit_bytes = [], 0
                 unit.append(p)
                 unit_bytes += p.plan_bytes
                 if p.plan_bytes > chunk_bytes:
                     oversized.append(p.index)
             if unit:
-                yield MuonUnit(group, tuple(q.index for q in unit), unit_bytes)
+                yield MatrixUnit(group, algorithm, tuple(q.index for q in unit), unit_bytes)
     for members in groups.values():
-        if members[0].algorithm != "muon":
+        if members[0].elementwise:
             yield from members
 
 
@@ -259,7 +273,7 @@ class _Packer:
             self.chunks.append(Chunk(tuple(self.units), self.used, self.resident))
         self.units, self.used = [], 0
 
-    def add_muon(self, unit: MuonUnit) -> None:
+    def add_matrix(self, unit: MatrixUnit) -> None:
         if self.units and self.used + unit.plan_bytes > self.chunk_bytes:
             self.close()
         self.units.append(unit)

@@ -8,12 +8,12 @@ and writes it back, the stages of consecutive chunks overlapped, in two lanes.
     side d2h stream                           | store 1 | store 2 |
 
 The main lane (the caller's current stream, the *compute* stream, and the d2h stream) runs
-the chunks that hold Muon matrices: compute-bound updates, and collectives that must run in
-plan order on every rank. The side lane (a side stream and a side d2h stream) runs the chunks
-marked ``side``, the plan's element-wise-only ones (``planner.elementwise_only``): their
-memory-bound updates overlap the Muon products, and their stores do not queue behind a Muon
-chunk's, so their staging bytes are soon free for later loads. With one lane an AdamW chunk
-held its bytes through the ~8 ms update of the Muon chunk before it (docs/design.md, step 3).
+the chunks that hold matrix units (Muon's): compute-bound updates, and collectives that must
+run in plan order on every rank. The side lane (a side stream and a side d2h stream) runs the
+chunks marked ``side``, the plan's element-wise-only ones (``planner.elementwise_only``): their
+memory-bound updates overlap the matrix products, and their stores do not queue behind a
+matrix chunk's, so their staging bytes are soon free for later loads. With one lane an AdamW
+chunk held its bytes through the ~8 ms update of the Muon chunk before it (docs/design.md step 3).
 Loads run in plan order on the one h2d stream. ``side_lane=False``: one lane.
 
 Streams, events and the staging arena are the scheduler's, created once. Ordering is by
