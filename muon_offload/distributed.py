@@ -98,8 +98,13 @@ class Placement:
     global_size: int | None = None  # the unsharded size along comm_dim
 
 
-def placement_of(p: Tensor, mesh: Mesh, flatten: bool, where: str) -> Placement:
-    """Classify a Muon parameter; raise on layouts the collectives cannot serve."""
+def placement_of(
+    p: Tensor, mesh: Mesh, flatten: bool, where: str, num_heads: int | None = None
+) -> Placement:
+    """Classify a Muon parameter; raise on layouts the collectives cannot serve.
+    ``num_heads``: a 2-D weight updated head by head (dion's), which a shard serves only where
+    it holds whole heads: dim 0 sharded over a mesh whose size divides ``num_heads``, as dion
+    requires; its heads are then orthogonalized where they are, with no collective."""
     if not isinstance(p, DTensor):
         return Placement("replicated" if mesh.group is not None else "local")
     if mesh.device_mesh is None:
@@ -118,6 +123,19 @@ def placement_of(p: Tensor, mesh: Mesh, flatten: bool, where: str) -> Placement:
             f"group's ({mesh.device_mesh})"
         )
     dim = shard.dim % p.ndim
+    if num_heads is not None:
+        if dim != 0:
+            raise NotImplementedError(
+                f"{where}: num_heads needs the parameter sharded on dim 0 (the heads) or not "
+                f"at all, got {p.placements}"
+            )
+        world = p.device_mesh.size(mesh_dim)
+        if num_heads % world:
+            raise ValueError(
+                f"{where}: num_heads ({num_heads}) must be a multiple of the mesh size "
+                f"({world}), so that every shard holds whole heads"
+            )
+        return Placement("local")
     if flatten:
         if dim != 0:
             raise ValueError(f"{where}: with flatten=True only dim 0 may be sharded, got {dim}")

@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain, compress, repeat
 from operator import attrgetter, is_, is_not, itemgetter
 
 import torch
 from torch import Tensor
 
+from .muon_shapes import read_num_heads
 from .tensor_reads import Sweep
 
 ALGORITHMS = ("muon", "adamw", "lion")
@@ -33,6 +35,7 @@ class Hyper:
     adjust_lr: str | None = None
     flatten: bool = False
     split_sizes: tuple[int, ...] | None = None
+    num_heads: int | None = None  # dion's per-head split of 2-D weights (muon_shapes.py)
     # dion's cautious weight decay: decay only where the update and the parameter agree in sign
     cautious_wd: bool = False
 
@@ -114,15 +117,13 @@ def read_hyper(group: dict, group_index: int) -> Hyper:
             )
         if group.get("cautious_wd"):
             raise NotImplementedError(f"{_where(group_index)}: cautious_wd is not supported yet")
-        num_heads = group.get("num_heads")
-        if num_heads not in (None, 1):
-            raise NotImplementedError(f"{_where(group_index)}: num_heads is not supported yet")
         for p in group["params"]:
             if p.ndim < 2:
                 raise ValueError(
                     f"{_where(group_index, p)}: a muon group needs matrices (2 or more dims); "
                     "put vectors and scalars in an adamw or lion group"
                 )
+        num_heads = read_num_heads(group, partial(_where, group_index))
         split_sizes = _split_sizes(group, group_index)
         return Hyper(
             algorithm="muon",
@@ -134,6 +135,7 @@ def read_hyper(group: dict, group_index: int) -> Hyper:
             adjust_lr=adjust_lr,
             flatten=bool(group["flatten"]),
             split_sizes=split_sizes,
+            num_heads=num_heads,
         )
     beta1 = _beta(group["beta1"], "beta1", group_index)
     beta2 = _beta(group["beta2"], "beta2", group_index)

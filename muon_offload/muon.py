@@ -17,7 +17,13 @@ from .engine.algorithm import Algorithm, UnitJob
 from .hyper import ADJUST_LR_MODES, Hyper, check_beta, read_hyper
 from .kernels.muon import apply_scalars
 from .kernels.orthogonalize import ORTHOGONALIZERS
-from .muon_shapes import adjusted_lr, matrix_count, matrix_view_shape, split_lr_scales
+from .muon_shapes import (
+    adjusted_lr,
+    heads_view,
+    matrix_count,
+    matrix_view_shape,
+    split_lr_scales,
+)
 
 
 class MuonUpdate(Algorithm):
@@ -36,6 +42,7 @@ class MuonUpdate(Algorithm):
         """[mu, -, -, -, eps, -, -, -, 1 - lr wd, adjusted_lr]: each launch's part starts 16
         bytes in (prep reads [0], the normalization [4], apply [8:10])."""
         h = hyper
+        shape = heads_view(shape, h.num_heads)
         apply = apply_scalars(
             h.lr, h.weight_decay, adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten)
         )
@@ -43,6 +50,7 @@ class MuonUpdate(Algorithm):
 
     def grad_pieces(self, hyper: Hyper, shape: tuple) -> tuple[int, ...]:
         """One piece a matrix, as ``update`` cuts a parameter (``_matrices``)."""
+        shape = heads_view(shape, hyper.num_heads)
         if hyper.flatten or len(shape) == 2:
             return (0,)
         rows, cols = matrix_view_shape(shape, False)
@@ -52,20 +60,24 @@ class MuonUpdate(Algorithm):
         h = hyper
         # A callable orthogonalizer takes eps as a Python number (dion's signature).
         eps = h.eps if callable(self.orthogonalizer) else None
-        return (h.nesterov, h.adjust_lr, h.flatten, h.split_sizes, id(self.orthogonalizer), eps)
+        orthogonalizer = id(self.orthogonalizer)
+        return (h.nesterov, h.adjust_lr, h.flatten, h.split_sizes, h.num_heads, orthogonalizer, eps)
 
     def update(self, job: UnitJob) -> Iterator[None]:
         h, params, row = job.hyper, job.params, job.scalars
-        if params[0].ndim == 2 and not h.flatten and not job.quantized:
+        # Per head: the global shape's head rows, so a shard of whole heads (dim 0 sharded)
+        # is cut into its own heads.
+        rows = h.num_heads and params[0].shape[0] // h.num_heads
+        if params[0].ndim == 2 and not h.flatten and not job.quantized and not rows:
             # Each tensor is its one matrix (what ``_matrices`` gives, without a list a tensor).
             xs = params if job.plain else [local(p) for p in params]
             gs, ms, scales = job.grads, job.state[0], []
         else:
             xs, gs, ms, scales = [], [], [], []
             for i, (p, g, m) in enumerate(zip(params, job.grads, job.state[0], strict=True)):
-                xs.extend(_matrices(local(p), h.flatten))
-                gs.extend(_matrices(g, h.flatten))
-                ms.extend(_matrices(m, h.flatten))
+                xs.extend(_matrices(local(p), h.flatten, rows))
+                gs.extend(_matrices(g, h.flatten, rows))
+                ms.extend(_matrices(m, h.flatten, rows))
                 if job.quantized:  # one row of block scales a matrix
                     s = job.state[1][i]
                     scales.extend(s.unbind(0) if s.ndim == 2 else [s])
@@ -83,7 +95,8 @@ class MuonUpdate(Algorithm):
         else:  # an empty shard still takes part in every collective
             update = torch.empty((len(ms), *ms[0].shape), dtype=torch.bfloat16, device=ms[0].device)
             sumsq = torch.zeros(len(ms), dtype=torch.float32, device=ms[0].device)
-        shape = params[0].shape  # global shape: the lr adjustment is the whole matrix's
+        # The global shape (per head): the lr adjustment is the whole matrix's.
+        shape = heads_view(params[0].shape, h.num_heads)
         scales = h.split_sizes and split_lr_scales(h.split_sizes, shape, h.adjust_lr)
         eps = h.eps if row is None or callable(self.orthogonalizer) else row[4:5]
 
@@ -98,7 +111,7 @@ class MuonUpdate(Algorithm):
             )
 
         where = f"param group {job.group} (parameter of shape {tuple(shape)})"
-        placement = placement_of(params[0], job.mesh, h.flatten, where)
+        placement = placement_of(params[0], job.mesh, h.flatten, where, h.num_heads)
         apply = dict(
             lr=h.lr,
             weight_decay=h.weight_decay,
@@ -121,9 +134,12 @@ class MuonUpdate(Algorithm):
             dispatch.muon_apply_(job.backend, xs, ortho, **apply)
 
 
-def _matrices(t: Tensor, flatten: bool) -> list[Tensor]:
+def _matrices(t: Tensor, flatten: bool, head_rows: int | None = None) -> list[Tensor]:
     """The matrices a muon tensor is orthogonalized as (views, no copies for contiguous t;
-    explicit sizes, so an empty shard still gives its count of empty matrices)."""
+    explicit sizes, so an empty shard still gives its count of empty matrices). ``head_rows``:
+    a 2-D tensor cut into heads of that many rows (dion's ``num_heads``)."""
+    if head_rows:
+        return list(t.view(t.shape[0] // head_rows, head_rows, t.shape[1]).unbind(0))
     if flatten:
         return [t.reshape(t.shape[0], math.prod(t.shape[1:]))]
     if t.ndim == 2:
@@ -139,7 +155,9 @@ class Muon(ChunkedOptimizer):
     orthogonalized (Polar Express by default), then ``X *= 1 - lr wd`` and
     ``X -= adjusted_lr U``, with ``adjusted_lr`` from ``adjust_lr`` and the matrix shape.
     3-D parameters are batches of matrices unless ``flatten``; ``split_sizes`` in a group
-    orthogonalizes row blocks of a packed 2-D weight separately, as dion does. AdamW groups'
+    orthogonalizes row blocks of a packed 2-D weight separately, as dion does, and
+    ``num_heads`` (dion's) equal consecutive row blocks (an attention projection's heads),
+    each with the lr adjustment of its own shape. AdamW groups'
     bias correction reads each parameter's own count of the steps that updated it, as dion's
     per-parameter ``step_dev`` (the key checkpoints keep it under); group ``step`` counts
     ``step()`` calls.
@@ -260,4 +278,10 @@ class Muon(ChunkedOptimizer):
         self.algorithms["muon"].orthogonalizer = method
 
     def _read_hyper(self, group: dict, index: int) -> Hyper:
-        return read_hyper(group, index)
+        hyper = read_hyper(group, index)
+        if hyper.num_heads and getattr(self, "state_dtype", None) == torch.int8:
+            # 8-bit momentum keeps one row of block scales a matrix of the parameter as created.
+            raise NotImplementedError(
+                f"param group {index}: num_heads > 1 with state_dtype=torch.int8 is not supported"
+            )
+        return hyper

@@ -599,3 +599,46 @@ def agreement_muon_agreed(rank, world, port):
         results.append(_agreement_snapshot(params, opt))
     _agreement_same(*results)
     _finish()
+
+
+def heads(rank, world, port):
+    """``num_heads`` weights sharded on dim 0 (whole heads on every rank, orthogonalized where
+    they are) and replicated, against the same weights on one process; the other shardings
+    refused at construction, as dion refuses them."""
+    from torch.distributed.tensor import Replicate
+
+    from reference64 import orthogonalize64_batch
+
+    mesh = init(rank, world, port)
+    full = full_tensors(6, [(32, 24), (32, 24), (48, 16)])  # heads of 8 and 12 rows
+    place = [[Shard(0)], [Replicate()], [Shard(0)]]
+    results = []
+    for distributed in (True, False):
+        params = [
+            # A clone each: a replicated DTensor may hold the very tensor it was made from.
+            torch.nn.Parameter(distribute_tensor(t.clone(), mesh, pl) if distributed else t.clone())
+            for t, pl in zip(full, place, strict=True)
+        ]
+        opt = Muon(
+            [dict(params=params, num_heads=4)],
+            distributed_mesh=mesh if distributed else None,
+            newton_schulz_func=orthogonalize64_batch,
+            chunk_bytes=4000,
+            offload=True,
+        )
+        for s in range(2):
+            set_grads(params, s, mesh)
+            opt.step()
+        results.append([p.full_tensor() if distributed else p.detach() for p in params])
+    for a, b, x0 in zip(*results, full, strict=True):
+        rel = ((a - x0) - (b - x0)).norm() / (b - x0).norm()
+        assert rel < 1e-5, rel.item()  # a head cut across ranks would be far off
+    for pl, num_heads, what in (([Shard(1)], 4, "dim 0"), ([Shard(0)], 3, "multiple")):
+        p = torch.nn.Parameter(distribute_tensor(full[0][:24].clone(), mesh, pl))
+        try:
+            Muon([dict(params=[p], num_heads=num_heads)], distributed_mesh=mesh)
+        except (ValueError, NotImplementedError) as err:
+            assert what in str(err), err
+        else:
+            raise AssertionError(f"num_heads={num_heads} with {pl} was accepted")
+    _finish()

@@ -46,6 +46,10 @@ def test_two_sharded_dims_refused():
     _spawn(dist_workers.two_sharded_dims, 4)
 
 
+def test_num_heads_sharded_on_heads_and_replicated():
+    _spawn(dist_workers.heads, 2)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_against_dion(world):
     pytest.importorskip(

@@ -204,7 +204,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         if self.algorithms[hyper.algorithm].elementwise:
             return LOCAL_PLACEMENT
         where = f"param group {gi} (parameter of shape {tuple(param.shape)})"
-        return placement_of(param, self._mesh_of(gi), hyper.flatten, where)
+        return placement_of(param, self._mesh_of(gi), hyper.flatten, where, hyper.num_heads)
 
     # ------------------------------------------------------------------ state
 
@@ -243,7 +243,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             _which(work),
             work.shapes,  # read by the step's checks (``StepWork``)
             work.dtypes,
-            tuple((h.algorithm, h.flatten, h.split_sizes) for h in hypers),
+            tuple((h.algorithm, h.flatten, h.split_sizes, h.num_heads) for h in hypers),
             self.chunk_bytes,
             self.resident_chunk_bytes,
             classes,
