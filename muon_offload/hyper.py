@@ -277,6 +277,9 @@ class StepWork(list):
     # read with the checks when the step computes a graph key (``step_work(pointers=True)``):
     # nothing between the checks and the key moves a parameter or a gradient.
     pointers: tuple[tuple[int, ...], tuple[int, ...], bool] | None = None
+    # Positions of the parameters that are not contiguous (plain tensors only): the step
+    # updates a contiguous copy of each and writes it back in place (``chunks.py``).
+    copied: tuple[int, ...] = ()
     params: tuple[Tensor, ...]
     grads: tuple[Tensor, ...]
     shapes: tuple[torch.Size, ...]
@@ -326,8 +329,8 @@ def step_work(
     device = _checked_at_once(work, grads, params, pointers)
     if device is not None:
         return work, device
-    devices = set()
-    for gi, p in work:
+    devices, copied = set(), []
+    for k, (gi, p) in enumerate(work):
         check_grad(p, gi)
         local_param = getattr(p, "_local_tensor", p)
         if local_param.dtype not in PARAM_DTYPES:  # changed since construction
@@ -336,12 +339,13 @@ def step_work(
                 f"of {PARAM_DTYPES}"
             )
         if not local_param.is_contiguous():
-            raise ValueError(
-                f"{_where(gi, p)}: parameters must be contiguous to be updated in place"
-            )
+            if local_param is not p:  # a DTensor's shard: FSDP2's are contiguous
+                raise ValueError(f"{_where(gi, p)}: a DTensor's local tensor must be contiguous")
+            copied.append(k)
         devices.add(local_param.device)
     if len(devices) > 1:
         raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+    work.copied = tuple(copied)
     return work, devices.pop()
 
 

@@ -13,7 +13,7 @@ the views of the old storage).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 
 from torch import Tensor
@@ -40,6 +40,22 @@ class StepContext:
     layouts: Sequence[ChunkLayout]  # one a chunk of the plan
     # Each work item's own step count, this step included (``step_counts.py``).
     counts: Sequence[int] = ()
+    # id -> contiguous copy of each parameter that is not contiguous (``StepWork.copied``),
+    # made with the context: the kernels and the flat segments update the copy, and
+    # ``write_back`` puts it in the parameter when the step ends. None: every one is.
+    copies: dict | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.work.copied:  # frozen: set once, here
+            params = map(self.work.params.__getitem__, self.work.copied)
+            object.__setattr__(self, "copies", {id(p): p.contiguous() for p in params})
+
+
+def write_back(ctx: StepContext) -> None:
+    """Each copy into its parameter, in place (on the caller's stream, which every lane of
+    the step has joined by then)."""
+    for p in map(ctx.work.params.__getitem__, ctx.work.copied if ctx.copies else ()):
+        p.copy_(ctx.copies[id(p)])
 
 
 def unit_items(unit: Unit, work) -> list[tuple[Tensor, slice | None]]:
@@ -152,15 +168,18 @@ def _job(
     scalars: Tensor | None,
     grad_index: GradIndex | None,
 ) -> UnitJob:
+    targets = u.params
+    if ctx.copies:  # where the update goes: a copy for a parameter that is not contiguous
+        targets = tuple(ctx.copies.get(id(p), p) for p in u.params)
     if u.algorithm.elementwise:
-        locals_ = u.params if u.plain else [local(p) for p in u.params]
+        locals_ = targets if u.plain else [local(p) for p in targets]
         params = [p.view(-1)[span] for p, span in zip(locals_, u.spans, strict=True)]
         grads = [
             local(p.grad).contiguous().view(-1)[span]
             for p, span in zip(u.params, u.spans, strict=True)
         ]
     else:
-        params = list(u.params)
+        params = list(targets)
         # The matrix kernels read gradients as dense rows; a transposed or sliced gradient
         # is copied once (contiguous() is free for the usual contiguous one).
         if ctx.work.plain:  # C-level passes, no local() a gradient

@@ -93,8 +93,9 @@ def step_key(
     else:
         contiguous = all(map(Tensor.is_contiguous, work.grads))
         param_ptrs = tuple(map(_ptr, params))
-    if not contiguous:
-        return None, "a gradient is not contiguous (the step copies it afresh each time)"
+    if not contiguous or work.copied:
+        which = "parameter" if contiguous else "gradient"
+        return None, f"a {which} is not contiguous (the step copies it afresh each time)"
     if grads is None:
         return None, "the kernels read the gradients' own addresses (no gradient table)"
     baked = (backend,) + tuple((h.algorithm, algorithms[h.algorithm].baked(h)) for h in hypers)

@@ -46,7 +46,7 @@ from ..rank_agreement import StepAgreements
 from . import graphs
 from .algorithm import Algorithm
 from .checkpoint import CheckpointMixin
-from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk
+from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk, write_back
 from .grad_table import GradTable, grad_table
 from .graphs import GraphMixin, StepGraphs
 from .interrupt import interrupted
@@ -346,6 +346,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             if hasattr(err, "add_note"):
                 err.add_note(str(report))
             raise
+        finally:
+            write_back(ctx)  # what the step updated, also when it stopped part-way
         return loss
 
 
