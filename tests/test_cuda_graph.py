@@ -139,7 +139,8 @@ def test_step_refuses_closure_and_cpu_before_touching_state(monkeypatch):
         opt.step(lambda: called.append(1))
     with pytest.raises(ValueError, match="needs parameters on a CUDA device"):
         opt.step()
-    assert not called and not opt.state and opt.param_groups[0]["step"] == 0
+    assert not called and opt.param_groups[0]["step"] == 0
+    assert not any(t.any() for values in opt.state.values() for t in values.values())
 
 
 # ------------------------------------------------------------------ capture and replay

@@ -126,8 +126,6 @@ def test_float16_parameters_keep_float32_state_and_match_torch():
 
 def test_failed_pinned_allocation_leaves_step_count(monkeypatch):
     params = _params()
-    opt = _muon(params, offload=True)
-    _grads(params, 0)
 
     def refuse(self, nbytes):
         raise MemoryError("no pinned memory")
@@ -135,8 +133,16 @@ def test_failed_pinned_allocation_leaves_step_count(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(host_slabs.HostSlabs, "_new_slab", refuse)
         with pytest.raises(MemoryError):
+            _muon(params, offload=True)  # state is made at construction
+    opt = _muon(params, offload=True)
+    held = [opt.state.pop(p) for p in params]  # made afresh by the next step, in new slabs
+    _grads(params, 0)
+    with monkeypatch.context() as m:
+        m.setattr(host_slabs.HostSlabs, "_new_slab", refuse)
+        with pytest.raises(MemoryError):
             opt.step()
     assert [g["step"] for g in opt.param_groups] == [0, 0]
+    del held
     # Then it works, and the first AdamW update is a first step's (bias-corrected, lr size).
     before = params[2].detach().clone()
     opt.step()

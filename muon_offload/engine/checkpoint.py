@@ -25,7 +25,7 @@ from ..muon_shapes import matrix_count
 from . import graphs
 from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims
-from .step_counts import count_tensor, loaded_counts
+from .step_counts import loaded_counts
 
 # State may arrive in any of the dtypes our, dion's or torch's optimizers keep it in; others
 # (fp64, integers, complex) are not optimizer state of these algorithms.
@@ -181,10 +181,12 @@ def _checked_entry(
     return tuple(local(t) for t in tensors)
 
 
-def check_live_layout(opt, hypers: Sequence[Hyper]) -> None:
+def check_live_layout(opt, hypers: Sequence[Hyper]) -> list[Tensor]:
     """The live 8-bit scales must be laid out as the loaded groups lay them out: a load that
     changes a group's ``flatten`` cannot re-cut the blocks of a stack whose 8-bit state
-    exists."""
+    holds values. State as created (no step or load since: ``StateStore.pristine``) is made
+    afresh instead, as if it did not exist yet: returned, those parameters."""
+    afresh = []
     for gi, p in opt._params():
         fmt = opt._store.formats.get(p)
         if fmt is None or not fmt.quantized:
@@ -192,12 +194,16 @@ def check_live_layout(opt, hypers: Sequence[Hyper]) -> None:
         expected = tuple(expected_scales_shape(opt, hypers[gi], p))
         for name, t in opt.state.get(p, {}).items():
             if name.endswith("_scales") and tuple(local(t).shape) != expected:
+                if p in opt._store.pristine:
+                    afresh.append(p)
+                    break
                 raise ValueError(
                     f"param group {gi} (parameter of shape {tuple(p.shape)}): its 8-bit state "
                     f"has scales of shape {tuple(local(t).shape)}, the loaded group "
                     f"(flatten={hypers[gi].flatten}) lays them out as {expected}; load the "
                     "checkpoint into an optimizer whose group has the same flatten"
                 )
+    return afresh
 
 
 def detach_aliases(loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]], state: dict) -> None:
@@ -271,15 +277,16 @@ class CheckpointMixin:
 
     def state_dict(self) -> dict:
         self._synchronize()
+        self._handed_scales.pull()  # scales loaded in place into the last state_dict()
         # 8-bit scales of DTensor parameters: as DTensors that distributed checkpoints shard.
         out = lay_out(self, super().state_dict())
         state = out["state"]
         for i, (gi, p) in enumerate(self._params()):
             algorithm = self.algorithms[self.param_groups[gi]["algorithm"]]
             if algorithm.counts_steps and i in state:
-                # A new dict: torch's state_dict() hands out the live ones.
-                count = count_tensor(self._counts.get(p))
-                state[i] = {**state[i], self.step_count_key: count}
+                # The live count (a view the next step reads: an in-place load restores it), in
+                # a new dict, so the live state holds no count of its own.
+                state[i] = {**state[i], self.step_count_key: self._counts.tensor(p)}
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -305,8 +312,10 @@ class CheckpointMixin:
         counts = loaded_counts(self.param_groups, saved_groups, saved_state, counted)
         self._synchronize()
         detach_aliases(loaded, self.state)
+        self._follow_device(hypers)  # state made before the parameters moved moves first
+        for p in check_live_layout(self, hypers):
+            self.state[p] = {}  # as made, of another layout: made afresh by the next line
         self._ensure_state(hypers)  # may allocate (and fail) before anything is written
-        check_live_layout(self, hypers)
         for group, new in zip(self.param_groups, new_groups, strict=True):
             group.clear()
             group.update(new)
@@ -316,6 +325,9 @@ class CheckpointMixin:
         self.state.update(carried(saved_state, saved_groups))
         for p, count in counts.items():
             self._counts.set(p, count)
+        self._counts.drop_retired()
+        self._handed_scales.clear()
+        self._store.pristine.clear()
         self._plans.clear()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
@@ -329,6 +341,7 @@ class CheckpointMixin:
                 "groups are not picklable); save opt.state_dict() instead"
             )
         self._synchronize()
+        self._handed_scales.pull()
         settings = Settings(
             self.offload,
             self.chunk_bytes,
@@ -367,9 +380,10 @@ class CheckpointMixin:
             for gi, p in self._params()
             if values.get(p)
         }
+        self._ensure_state(hypers)  # every parameter's, as at construction
         if loaded:
-            self._ensure_state(hypers)
             copy_state(self, loaded)
+            self._store.pristine.clear()
         self.state.update({k: v for k, v in values.items() if not isinstance(k, Tensor)})
         for p, count in counts.items():
             self._counts.set(p, count)

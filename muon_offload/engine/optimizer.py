@@ -55,6 +55,7 @@ from .planner import ParamInfo, Plan, elementwise_only, plan_step
 from .scalars import ScalarTable, scalar_table
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
+from .sharded_scales import HandedScales
 from .state import StateMixin, StateStore
 from .state_format import StatePolicy
 from .step_counts import StepCounts, split_by_count
@@ -127,6 +128,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         super().__init__(params, defaults)
         check_ranks_agree(self.param_groups, self._mesh_of)
         self._agreements.add(self.param_groups, self._mesh_of)
+        self._ensure_state(self._hypers())  # every parameter's, as dion's Muon (state.py)
         self._constructed = True
 
     def _setup(self, settings: Settings, mesh: Mesh) -> None:
@@ -150,6 +152,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self._plans = PlanCache()
         self._store = StateStore()
         self._counts = StepCounts()  # each parameter's count of the steps that updated it
+        self._handed_scales = HandedScales()  # 8-bit rows state_dict() copied (sharded_scales)
         self._policy = StatePolicy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
@@ -188,6 +191,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             if self._constructed:
                 check_ranks_agree(self.param_groups, self._mesh_of)
                 self._agreements.add(self.param_groups, self._mesh_of)
+                self._ensure_state(self._hypers())  # the new group's
         except Exception:
             self.param_groups.pop()
             self._group_meshes.pop(index, None)
@@ -308,7 +312,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             return loss
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
-        self._ensure_state(hypers, work)
+        self._step_state(hypers, work, device)
         counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
         slots, counts, classes = self._counts.for_step(_which(work), work.params, counted)
         plan, transfers, layouts, side = self._plan(work, hypers, classes)

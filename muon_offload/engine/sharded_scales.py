@@ -16,6 +16,12 @@ dim, ``Replicate`` on the others. Every rank owns exactly its own row, which
 ``load_state_dict`` strips the leading dims and the padding again. A parameter sharded over
 no mesh dim (replicated) has the whole tensor's scales, unpadded.
 
+Those rows are copies, not the live scales: ``HandedScales`` keeps the rows of the last
+``state_dict()`` and copies those written in place (``dcp.load(opt.state_dict())`` without
+``load_state_dict``, as torch's optimizers allow, since their state dicts hold the live
+tensors) into the live scales at the next step or ``state_dict()``, so that such a load restores
+the scales with the codes. A row written after that step is not read.
+
 Where blocks fall depends on where shards begin, hence on the world size: an 8-bit checkpoint
 of sharded parameters loads on a mesh of the shape it was saved from. To move it elsewhere,
 load it into an optimizer with dense state there (it is dequantized), save that, and load the
@@ -116,9 +122,36 @@ def crop(scales: Tensor, shape: torch.Size, where: str) -> Tensor:
     return scales[tuple(slice(0, n) for n in shape)]
 
 
+class HandedScales:
+    """The rank-major rows the last ``state_dict()`` handed out, each with the live scales it
+    copies and its version counter then (an in-place write, as ``dcp.load`` makes, bumps it).
+    Held until the next step, ``state_dict()`` or ``load_state_dict()`` (the state dict itself
+    may be gone by then: ``dcp.load(opt.state_dict())``); a row written later than that is a
+    copy no longer read."""
+
+    def __init__(self) -> None:
+        self._rows: list[tuple[Tensor, Tensor, int, int]] = []
+
+    def add(self, row: Tensor, live: Tensor, lead: int) -> None:
+        self._rows.append((row, live, row._version, lead))
+
+    def pull(self) -> None:
+        """Copy every row written since it was handed out into its live scales; forget them."""
+        for row, live, version, lead in self._rows:
+            if row._version != version:
+                mine = row.reshape(row.shape[lead:])
+                live.copy_(crop(mine, live.shape, "8-bit scales loaded into a state_dict()"))
+        self._rows = []
+
+    def clear(self) -> None:
+        """The live scales were loaded (``load_state_dict``): the rows name nothing to restore."""
+        self._rows = []
+
+
 def lay_out(opt, state_dict: dict) -> dict:
     """``state_dict`` with the scales of every 8-bit DTensor parameter made rank-major (each
-    entry a new dict: torch's ``state_dict()`` shares them with the live state)."""
+    entry a new dict: torch's ``state_dict()`` shares them with the live state); the rows that
+    copy the live scales are remembered in ``opt._handed_scales`` (``HandedScales``)."""
     state = state_dict["state"]
     for i, (gi, p) in enumerate(opt._params()):
         fmt = opt._store.formats.get(p)
@@ -129,6 +162,9 @@ def lay_out(opt, state_dict: dict) -> dict:
         entry = dict(state[i])
         for name, value in entry.items():
             if name.endswith("_scales"):
-                entry[name] = rank_major(local(value), p, padded)
+                entry[name] = laid = rank_major(local(value), p, padded)
+                row, lead = local(laid), len(_sharded_mesh_dims(p))
+                if row.untyped_storage().data_ptr() != local(value).untyped_storage().data_ptr():
+                    opt._handed_scales.add(row, local(value), lead)  # a copy, not the live one
         state[i] = entry
     return state_dict

@@ -70,6 +70,11 @@ class StateStore:
         self.resident_used = 0  # bytes of offload-mode state kept resident (resident_bytes)
         self.resident: dict[Tensor, int] = {}  # those bytes by parameter
         self.formats: dict[Tensor, object] = {}  # parameter -> its state's format
+        # The devices of the parameters whose state was created (``StateMixin._follow_device``).
+        self.devices: set[torch.device] = set()
+        # Parameters whose state is as created: no step or load since. A load may lay theirs
+        # out afresh (``checkpoint.check_live_layout``), as if it did not exist yet.
+        self.pristine: set[Tensor] = set()
 
     def forget(self, params) -> None:
         """The state of ``params`` was dropped (``del opt.state[p]``, a new ``opt.state``): it
@@ -77,6 +82,7 @@ class StateStore:
         bytes are reused once nothing holds them (``HostSlabs.allocate``)."""
         for p in params:
             self.streamed.discard(p)
+            self.pristine.discard(p)
             self.formats.pop(p, None)
             self.resident_used -= self.resident.pop(p, 0)
         self.index = StateIndex()  # it holds the dropped dicts, so their tensors, alive
@@ -87,6 +93,8 @@ class StateStore:
         for entry in new:
             p = entry.param
             self.formats[p] = entry.fmt
+            self.devices.add(local(p).device)
+            self.pristine.add(p)
             if entry.streamed:
                 streamed.append(entry)
                 self.streamed.add(p)
@@ -184,6 +192,45 @@ class StateMixin:
         fmt = self._format(p)
         specs = StatePolicy.specs(fmt, shape, algorithm.state_keys, algorithm.state_kinds, matrices)
         return NewState(p, fmt, specs, streamed)
+
+    def _hypers(self) -> list[Hyper]:
+        return [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
+
+    def _step_state(self, hypers: Sequence[Hyper], work: StepWork, device) -> None:
+        """A step's state: 8-bit scales loaded in place into the last ``state_dict()`` copied
+        in (``sharded_scales.HandedScales``), state moved to the step's device if the
+        parameters moved, state dropped since made afresh; then none is as created."""
+        self._handed_scales.pull()
+        self._follow_device(hypers, device)
+        self._ensure_state(hypers, work)
+        self._store.pristine.clear()
+
+    def _follow_device(self, hypers: Sequence[Hyper], device: torch.device | None = None) -> None:
+        """State is created with the optimizer, on its parameters' device (resident) or in host
+        slabs pinned when they are on a GPU (streamed). Parameters moved since (an optimizer
+        built before ``model.to("cuda")``, or on the meta device before ``to_empty``) take
+        their state along at the next step or load: it is created afresh for ``device`` (the
+        step's; for a load, the one the parameters are on) and the old values and step counts
+        are copied in (meta tensors hold none: zeros)."""
+        store = self._store
+        if device is None:
+            devices = {local(p).device for _, p in self._params()}
+            device = devices.pop() if len(devices) == 1 else None
+        if device is None or not store.devices or store.devices == {device}:
+            return
+        old = {p: values for _, p in self._params() if (values := self.state.get(p))}
+        counts = {p: self._counts.get(p) for p in old}
+        self._synchronize()
+        for p in old:
+            self.state[p] = {}  # missing: ``_ensure_state`` forgets it and creates it afresh
+        store.host, store.devices = None, set()  # new slabs, pinned as ``device`` needs
+        self._ensure_state(hypers)
+        for p, values in old.items():
+            for name, t in values.items():
+                if isinstance(t, Tensor) and name in self.state[p] and not t.is_meta:
+                    local(self.state[p][name]).copy_(local(t))
+        for p, count in counts.items():
+            self._counts.set(p, count)
 
     def _ensure_state(self, hypers: Sequence[Hyper], work: StepWork | None = None) -> None:
         """Create state for every parameter that has none, in plan order. ``work``: the step's;

@@ -6,10 +6,15 @@ gradient comes late, one that skips steps (gradient None) and one whose state wa
 (``del opt.state[p]``) start from 1, not from the group's count. Group ``step`` still advances
 once a ``step()`` call (dion's, and what our checkpoints carry besides).
 
-The counts live on the host in one numpy array, a slot a parameter, so that a step reads and
-advances the counts of its thousands of parameters in a few vectorized passes, never hashing a
-parameter (``StateIndex`` says why): the slots of a step's parameters are looked up once per
-set of parameters (``slots``).
+The counts live on the host in one float32 tensor, a slot a parameter, read and advanced
+through its numpy view, so that a step reads and advances the counts of its thousands of
+parameters in a few vectorized passes, never hashing a parameter (``StateIndex`` says why): the
+slots of a step's parameters are looked up once per set of parameters (``slots``).
+``state_dict()`` hands out each count as a 0-d view of that tensor (float32, as torch's AdamW
+keeps ``step``), so a checkpoint loaded in place into a state dict (``dcp.load(opt.state_dict())``,
+as torch's optimizers allow) sets the counts the next step reads. Growing the tensor (a parameter
+added after the views were handed out) leaves the old views behind: a load into them is refused
+at the next read (``check_retired``), not silently lost.
 
 The kernels read their bias corrections from the step's scalar table (``scalars.py``), one row
 a unit: so that a unit's parameters share one count, element-wise parameters of different
@@ -39,7 +44,10 @@ class StepCounts:
 
     def __init__(self) -> None:
         self._slot: dict[Tensor, int] = {}
-        self.values = np.zeros(0, dtype=np.int64)
+        self._live = torch.zeros(0, dtype=torch.float32)  # what state_dict() views
+        self.values = self._live.numpy()  # the same memory: whole numbers, exact below 2**24
+        # Tensors given up by growth, with their version then: views of them were handed out.
+        self._retired: list[tuple[Tensor, int]] = []
         # A step's pairs (``which``) -> their slots, and which of them count steps; and the
         # last step's, compared first by identity (a step that reuses the last one's pairs
         # reuses its ``which``: no hashing a tuple of thousands).
@@ -51,10 +59,25 @@ class StepCounts:
         if slot is None:
             slot = self._slot[p] = len(self._slot)
             if slot >= self.values.size:
-                grown = np.zeros(max(64, 2 * self.values.size), dtype=np.int64)
-                grown[: self.values.size] = self.values
-                self.values = grown
+                grown = torch.zeros(max(64, 2 * self.values.size), dtype=torch.float32)
+                grown[: self.values.size] = self._live
+                if self.values.size:
+                    self._retired.append((self._live, self._live._version))
+                self._live, self.values = grown, grown.numpy()
         return slot
+
+    def check_retired(self) -> None:
+        """Refuse counts written into views that growth left behind (see the module's doc)."""
+        if any(t._version != version for t, version in self._retired):
+            raise RuntimeError(
+                "step counts were loaded into an optimizer state_dict() taken before parameters "
+                "were added (add_param_group); take a new state_dict() to load into, or use "
+                "load_state_dict()"
+            )
+
+    def drop_retired(self) -> None:
+        """Every count was set afresh (``load_state_dict``): the old views no longer matter."""
+        self._retired.clear()
 
     def slots(
         self, which: tuple, params: Sequence[Tensor], counted_groups: Sequence[bool]
@@ -77,9 +100,11 @@ class StepCounts:
         self, which: tuple, params: Sequence[Tensor], counted_groups: Sequence[bool]
     ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...] | None]:
         """For a step's parameters (``slots``' arguments): their slots, their counts with this
-        step, and their classes (``step_classes``)."""
+        step (int64), and their classes (``step_classes``)."""
         slots, counted = self.slots(which, params, counted_groups)
-        counts = self.values[slots] + 1
+        if self._retired:
+            self.check_retired()
+        counts = self.values[slots].astype(np.int64) + 1
         return slots, counts, step_classes(counts, counted)
 
     def advance(self, slots: np.ndarray, counts: np.ndarray) -> Callable[[Sequence[int]], None]:
@@ -93,7 +118,16 @@ class StepCounts:
         return step_back
 
     def get(self, p: Tensor) -> int:
-        return int(self.values[self._slot_of(p)])
+        slot = self._slot_of(p)
+        if self._retired:
+            self.check_retired()
+        return int(self.values[slot])
+
+    def tensor(self, p: Tensor) -> Tensor:
+        """``p``'s count as a live 0-d float32 tensor on the CPU (what ``state_dict()`` holds):
+        a write into it is the count the next step reads."""
+        slot = self._slot_of(p)  # first: it may grow ``_live``
+        return self._live[slot]
 
     def set(self, p: Tensor, count: int) -> None:
         slot = self._slot_of(p)  # first: it may grow ``values``
@@ -150,12 +184,6 @@ def saved_count(values: Mapping, where: str) -> int | None:
             )
         return int(value)
     return None
-
-
-def count_tensor(count: int) -> Tensor:
-    """A count as a checkpoint holds it: a 0-d float32 tensor on the CPU, as torch's AdamW
-    keeps ``step`` (dion moves its ``step_dev`` to the parameter's device on load)."""
-    return torch.tensor(float(count), dtype=torch.float32)
 
 
 def loaded_counts(
