@@ -36,6 +36,7 @@ from ._launch import (
     triton_dtype,
 )
 from ._triton import tl, triton
+from .elementwise_reference import cautious_decay
 from .muon_apply import ParamApply, apply_step, check_apply
 from .sumsq import LOG2_SUMSQ_BLOCK, SUMSQ_BLOCK, SUMSQ_CHUNK, groups_for, sum_partials, tree_sum
 
@@ -127,6 +128,7 @@ def _muon_apply_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
+    CAUTIOUS: tl.constexpr,  # dion's cautious_wd: no decay where u and x differ in sign
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1).to(tl.int64)
@@ -143,6 +145,8 @@ def _muon_apply_kernel(
     alpha = tl.load(hyper + 1)
     u = tl.load(p_u, mask=mask).to(tl.float32)
     x = tl.load(p_x, mask=mask).to(tl.float32)
+    if CAUTIOUS:  # as muon_apply_reference_ (elementwise_reference.cautious_decay)
+        decay = tl.where(u * x >= 0, decay, 1.0)
     x = apply_step(x, u, decay, alpha)
     tl.store(p_x, x.to(X_DTYPE), mask=mask)
 
@@ -268,7 +272,7 @@ def muon_prep(
     return out, sumsq
 
 
-def _apply_launch(params, update, rows, cols, scalars, config: Config) -> None:
+def _apply_launch(params, update, rows, cols, scalars, config: Config, cautious=False) -> None:
     batch = len(params)
     tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block)
     _muon_apply_kernel[(tiles, batch)](
@@ -284,6 +288,7 @@ def _apply_launch(params, update, rows, cols, scalars, config: Config) -> None:
         BLOCK_M=config.block_m,
         BLOCK=config.block,
         ALIGNED=all_aligned((params,)),
+        CAUTIOUS=cautious,
         num_warps=config.num_warps,
         enable_fp_fusion=FP_FUSION,
     )
@@ -301,18 +306,22 @@ def muon_apply_(
     lr: float,
     weight_decay: float,
     adjusted_lr: float,
+    cautious_wd: bool = False,
 ) -> None:
-    """X = X (1 - lr wd) - adjusted_lr U for a batch in one launch, math in fp32.
+    """X = X (1 - lr wd) - adjusted_lr U for a batch in one launch, math in fp32 (with
+    ``cautious_wd``, the decay only where U and X agree in sign: ``muon_apply_reference_``).
 
     ``params`` are contiguous tensors of m*n elements each, read as row-major [m, n];
     ``update`` is [B, m, n] with any strides (a ``.mT`` view of a contiguous [B, n, m]
     tensor is read along its contiguous dimension)."""
     scalars = apply_scalars(lr, weight_decay, adjusted_lr)
     device = params[0].device if params else update.device
-    muon_apply_from_(params, update, device_scalars(scalars, device))
+    muon_apply_from_(params, update, device_scalars(scalars, device), cautious_wd)
 
 
-def muon_apply_from_(params: Sequence[Tensor], update: Tensor, scalars: Tensor) -> None:
+def muon_apply_from_(
+    params: Sequence[Tensor], update: Tensor, scalars: Tensor, cautious_wd: bool = False
+) -> None:
     """``muon_apply_`` with its runtime scalars (``apply_scalars``' two, fp32) read on the
     device from ``scalars`` (the engine's step table: what a CUDA graph replays)."""
     rows, cols = check_apply(params, update, scalars)
@@ -339,7 +348,7 @@ def muon_apply_from_(params: Sequence[Tensor], update: Tensor, scalars: Tensor) 
         return bench_ms(lambda: _apply_launch(scratch_x, scratch_u, rows, cols, scalars, config))
 
     config = TUNER.choose("muon_apply", key, APPLY_CONFIGS, APPLY_INTERPRETER_CONFIG, device, bench)
-    _apply_launch(params, update, rows, cols, scalars, config)
+    _apply_launch(params, update, rows, cols, scalars, config, cautious_wd)
 
 
 def param_apply(params: Sequence[Tensor], cols: int, scalars: Tensor) -> ParamApply:
@@ -383,9 +392,13 @@ def muon_apply_reference_(
     lr: float,
     weight_decay: float,
     adjusted_lr: float,
+    cautious_wd: bool = False,
 ) -> None:
-    """X = X (1 - lr wd) - adjusted_lr U for each matrix of the batch, math in fp32."""
+    """X = X (1 - lr wd) - adjusted_lr U for each matrix of the batch, math in fp32.
+    ``cautious_wd`` (dion's): the decay only where U and X (before the step) agree in sign."""
     decay = 1.0 - lr * weight_decay
     for i, x in enumerate(params):
-        x32 = x.float().mul_(decay).sub_(update[i].float(), alpha=adjusted_lr)
+        u32, x32 = update[i].float(), x.float()
+        factor = cautious_decay(u32, x32, decay) if cautious_wd else decay
+        x32 = x32.mul_(factor).sub_(u32, alpha=adjusted_lr)
         x.copy_(x32)

@@ -108,6 +108,7 @@ def read_hyper(group: dict, group_index: int) -> Hyper:
         )
     lr = _number(group, "lr", group_index)
     weight_decay = _number(group, "weight_decay", group_index)
+    cautious_wd = bool(group.get("cautious_wd", False))
     if algorithm == "muon":
         adjust_lr = group.get("adjust_lr")
         if adjust_lr not in ADJUST_LR_MODES:
@@ -115,8 +116,6 @@ def read_hyper(group: dict, group_index: int) -> Hyper:
                 f"{_where(group_index)}: unknown adjust_lr {adjust_lr!r}; "
                 f"expected one of {ADJUST_LR_MODES}"
             )
-        if group.get("cautious_wd"):
-            raise NotImplementedError(f"{_where(group_index)}: cautious_wd is not supported yet")
         for p in group["params"]:
             if p.ndim < 2:
                 raise ValueError(
@@ -135,11 +134,11 @@ def read_hyper(group: dict, group_index: int) -> Hyper:
             adjust_lr=adjust_lr,
             flatten=bool(group["flatten"]),
             split_sizes=split_sizes,
+            cautious_wd=cautious_wd,
             num_heads=num_heads,
         )
     beta1 = _beta(group["beta1"], "beta1", group_index)
     beta2 = _beta(group["beta2"], "beta2", group_index)
-    cautious_wd = bool(group.get("cautious_wd", False))
     if algorithm == "adamw":
         return Hyper(
             "adamw",

@@ -61,7 +61,8 @@ class MuonUpdate(Algorithm):
         # A callable orthogonalizer takes eps as a Python number (dion's signature).
         eps = h.eps if callable(self.orthogonalizer) else None
         orthogonalizer = id(self.orthogonalizer)
-        return (h.nesterov, h.adjust_lr, h.flatten, h.split_sizes, h.num_heads, orthogonalizer, eps)
+        key = (h.nesterov, h.adjust_lr, h.flatten, h.split_sizes, h.num_heads, orthogonalizer, eps)
+        return (*key, h.cautious_wd)
 
     def update(self, job: UnitJob) -> Iterator[None]:
         h, params, row = job.hyper, job.params, job.scalars
@@ -116,6 +117,7 @@ class MuonUpdate(Algorithm):
             lr=h.lr,
             weight_decay=h.weight_decay,
             adjusted_lr=adjusted_lr(h.lr, shape, h.adjust_lr, h.flatten),
+            cautious_wd=h.cautious_wd,
             scalars=None if row is None else row[8:10],
         )
         if placement.kind == "local" and not h.split_sizes and xs[0].numel():

@@ -99,7 +99,7 @@ class Recorder:
         self.variants.setdefault(key, (fn, signature, constexprs, options))
 
 
-def _model_params(dtype: torch.dtype) -> list[dict]:
+def _model_params(dtype: torch.dtype, cautious_wd: bool = False) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape):
@@ -109,9 +109,9 @@ def _model_params(dtype: torch.dtype) -> list[dict]:
     # the 8-bit state's minimum so that those kernels run too.
     matrices = [rand(72, 96), rand(96, 72), rand(128, 128), rand(3, 48, 100)]
     return [
-        {"params": matrices},
-        {"params": [rand(5000), rand(4099)], "algorithm": "adamw"},
-        {"params": [rand(4500)], "algorithm": "lion"},
+        {"params": matrices, "cautious_wd": cautious_wd},
+        {"params": [rand(5000), rand(4099)], "algorithm": "adamw", "cautious_wd": cautious_wd},
+        {"params": [rand(4500)], "algorithm": "lion", "cautious_wd": cautious_wd},
     ]
 
 
@@ -145,6 +145,14 @@ def drive(config_index: int) -> None:
                     for p in group["params"]:
                         p.grad = torch.randn_like(p)
                 opt.step()
+            # The kernels' cautious_wd variants (a constexpr flag of the element-wise kernels
+            # and Muon's apply kernel, which it takes in place of the fused last product).
+            groups = _model_params(dtype, cautious_wd=True)
+            opt = muon_offload.Muon(groups, lr=0.01, backend="triton", state_dtype=state_dtype)
+            for group in groups:
+                for p in group["params"]:
+                    p.grad = torch.randn_like(p)
+            opt.step()
     from muon_offload.kernels.orthogonalize import (
         ORTHOGONALIZERS,
         orthogonalize_apply_,

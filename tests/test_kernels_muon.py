@@ -66,7 +66,8 @@ def test_prep_views_into_flat_buffer(device):
 @pytest.mark.parametrize("x_dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("u_dtype", [BF16, F32], ids=str)
 @pytest.mark.parametrize("transposed", [False, True])
-def test_apply_matches_reference(device, shape, x_dtype, u_dtype, transposed):
+@pytest.mark.parametrize("cautious_wd", [False, True], ids=["wd", "cautious_wd"])
+def test_apply_matches_reference(device, shape, x_dtype, u_dtype, transposed, cautious_wd):
     batch = 3
     params = [randn(shape, x_dtype, device) for _ in range(batch)]
     ref = [x.clone() for x in params]
@@ -75,6 +76,7 @@ def test_apply_matches_reference(device, shape, x_dtype, u_dtype, transposed):
     else:
         update = randn((batch, *shape), u_dtype, device)
     hyper = dict(lr=0.02, weight_decay=0.1, adjusted_lr=0.02 * 0.2 * max(shape) ** 0.5)
+    hyper["cautious_wd"] = cautious_wd
     muon_apply_(params, update, **hyper)
     muon_apply_reference_(ref, update, **hyper)
     for a, e in zip(params, ref, strict=True):

@@ -63,7 +63,7 @@ def muon_apply_(backend: str, params, update: Tensor, *, scalars=None, **hyper) 
     if not _use_triton(backend, params[0]):
         muon.muon_apply_reference_(params, update, **hyper)
     elif scalars is not None:
-        muon.muon_apply_from_(params, update, scalars)
+        muon.muon_apply_from_(params, update, scalars, hyper.get("cautious_wd", False))
     else:
         muon.muon_apply_(params, update, **hyper)
 
@@ -73,11 +73,13 @@ def orthogonalize_apply_(
 ) -> None:
     """``orthogonalize_batch`` then ``muon_apply_`` (no ``split_sizes``), the apply fused
     into the orthogonalization's last product where it runs on Triton (bit for bit the
-    same: kernels/orthogonalize.py ``orthogonalize_apply_``)."""
-    if not _use_triton(backend, params[0]):
+    same: kernels/orthogonalize.py ``orthogonalize_apply_``). ``cautious_wd`` (its sign test
+    is the apply kernel's alone) takes the unfused pair."""
+    if not _use_triton(backend, params[0]) or hyper.get("cautious_wd"):
         ortho = orthogonalize.orthogonalize(update, sumsq, method=method, eps=eps)
-        muon.muon_apply_reference_(params, ortho, **hyper)
+        muon_apply_(backend, params, ortho, scalars=scalars, **hyper)
         return
+    hyper.pop("cautious_wd", None)  # False here
     if scalars is None:
         scalars = device_scalars(muon.apply_scalars(**hyper), params[0].device)
     orthogonalize.orthogonalize_apply_(update, sumsq, params, scalars, method=method, eps=eps)
