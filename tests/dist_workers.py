@@ -568,7 +568,8 @@ def agreement_muon_none_on_one_rank(rank, world, port):
             "rank 0 but not on rank 1"
         ), message
         _agreement_same(_agreement_snapshot(params, opt), before)
-        assert not opt.state or not first
+        # Before the first step: the state made at construction, untouched (all zeros).
+        assert not first or not any(_local(t).any() for v in opt.state.values() for t in v.values())
     set_grads(params, 1, mesh)
     opt.step()
     ref_params, ref_opt = fresh()

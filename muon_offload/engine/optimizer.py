@@ -126,9 +126,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self._setup(settings, mesh)
         self._constructed = False
         super().__init__(params, defaults)
-        check_ranks_agree(self.param_groups, self._mesh_of)
-        self._agreements.add(self.param_groups, self._mesh_of)
-        self._ensure_state(self._hypers())  # every parameter's, as dion's Muon (state.py)
+        _groups_added(self)
         self._constructed = True
 
     def _setup(self, settings: Settings, mesh: Mesh) -> None:
@@ -189,9 +187,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             for p in group["params"]:
                 self._placement(index, p, hyper)
             if self._constructed:
-                check_ranks_agree(self.param_groups, self._mesh_of)
-                self._agreements.add(self.param_groups, self._mesh_of)
-                self._ensure_state(self._hypers())  # the new group's
+                _groups_added(self)
         except Exception:
             self.param_groups.pop()
             self._group_meshes.pop(index, None)
@@ -353,6 +349,15 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         finally:
             write_back(ctx)  # what the step updated, also when it stopped part-way
         return loss
+
+
+def _groups_added(opt: ChunkedOptimizer) -> None:
+    """After construction or ``add_param_group``: the ranks of each mesh hold the same groups
+    (checked now, and each step: ``StepAgreements``), and every parameter has its state, as
+    dion's Muon makes it (``state.py``: ``state_dict()`` holds every key before any step)."""
+    check_ranks_agree(opt.param_groups, opt._mesh_of)
+    opt._agreements.add(opt.param_groups, opt._mesh_of)
+    opt._ensure_state(opt._hypers())
 
 
 def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:
