@@ -30,7 +30,7 @@ def persistent_grid(items: int, config: Config, device: torch.device) -> int:
 def tma_enabled(device: torch.device) -> bool:
     """Whether the TMA configs join the candidates on ``device``: ``MUON_OFFLOAD_TMA=1`` yes,
     ``0`` no; unset, yes on a GPU that has TMA (compute capability 9.0 and up: Hopper,
-    Blackwell), never on the CPU. On the H200 (triton 3.6, docs/benchmarks.md, session 8)
+    Blackwell), never on the CPU. On the H200 (triton 3.6, docs/benchmarks.md)
     they made the eager resident qwen3 step 6% faster (0.1435 -> 0.1343 s) and left the
     offloaded one as it was (0.3281 -> 0.3251 s): their launches cost the host more (the
     offloaded step's host time 0.172 -> 0.212 s), which the step hid. Read per call, not at

@@ -1,4 +1,4 @@
-"""Every rank of a mesh must step the same parameters (issue 14, item 9).
+"""Every rank of a mesh must step the same parameters.
 
 A gradient that is None on some ranks only makes the ranks skip different parameters, so the
 step's collectives pair different matrices: gloo aborts the process (SIGABRT) on a size

@@ -374,7 +374,7 @@ def dcp_resume(rank, world, port, path):
     _finish()
 
 
-# ---------------------------------------------------------------- rank agreement (issue 14.9)
+# ---------------------------------------------------------------- rank agreement
 # Every rank of a mesh must step the same parameters: muon_offload/rank_agreement.py.
 
 

@@ -411,8 +411,8 @@ class _FakeCapture:
 
 @pytest.mark.parametrize("fail", [False, True])
 def test_capture_holds_the_collector_off_and_releases_the_rng_on_failure(monkeypatch, fail):
-    """A dead CUDA graph freed by the collector mid-capture invalidates the capture (the
-    H200 suite, session 9), and an invalidated capture leaves torch's generator stuck: the
+    """A dead CUDA graph freed by the collector mid-capture invalidates the capture (seen in
+    the H200 suite), and an invalidated capture leaves torch's generator stuck: the
     collector is off inside the capture only, and a failure releases the generator."""
     seen, released = [], []
     monkeypatch.setattr(graphs.torch.cuda, "CUDAGraph", lambda: object())

@@ -29,7 +29,7 @@ def _sources():
 
 
 def test_modules_and_classes_stay_small():
-    # Issue 16's bounds: no module over ~400 lines, no class over ~250.
+    # The bounds: no module over ~400 lines, no class over ~250.
     too_long = []
     for path in _sources():
         text = path.read_text()

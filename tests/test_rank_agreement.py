@@ -1,5 +1,5 @@
-"""Every rank of a mesh must step the same parameters (issue 14, item 9;
-muon_offload/rank_agreement.py). Gloo processes on CPUs, as tests/test_distributed.py."""
+"""Every rank of a mesh must step the same parameters
+(muon_offload/rank_agreement.py). Gloo processes on CPUs, as tests/test_distributed.py."""
 
 import json
 import socket

@@ -1,4 +1,4 @@
-"""Hostile-user cases of issue 14: parameters that change under the optimizer, dtypes the
+"""Hostile-user cases: parameters that change under the optimizer, dtypes the
 kernels cannot serve, errors and interrupts mid-step, and arguments of the wrong type. Each
 raises clearly with everything untouched, or works."""
 

@@ -1,4 +1,4 @@
-"""The replayed step's host path takes shortcuts (issue 17): pairs reused from the last step
+"""The replayed step's host path takes shortcuts: pairs reused from the last step
 (``step_work``), the last plan compared before a lookup (``PlanCache``), state dicts found
 without hashing (``StateIndex``). Each shortcut must see every change that makes it wrong:
 here a graphed optimizer (a stand-in graph whose replay runs the captured step's Python
