@@ -155,21 +155,32 @@ def without_list_all_to_all(rank, world, port):
 
 
 def packed_once(rank, world, port):
-    from reference64 import orthogonalize64_batch
-
     mesh = init(rank, world, port)
     full = full_tensors(5, [(12, 16)] * 3)
+    # chunk_bytes smaller than one block: the packed weight must still go once (a block
+    # updated twice would be ~100% off).
+    _sharded_against_one(mesh, full, [[Shard(0)]] * 3, dict(split_sizes=(4, 8)), chunk_bytes=1)
+    _finish()
+
+
+def _sharded_against_one(mesh, full, place, group: dict, chunk_bytes: int) -> None:
+    """Two offloaded steps of ``full`` (float64 orthogonalization) as DTensors placed by
+    ``place`` over ``mesh`` and as plain tensors on one process: the updates agree to within
+    1e-5 relative."""
+    from reference64 import orthogonalize64_batch
+
     results = []
     for distributed in (True, False):
         params = [
-            torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]) if distributed else t.clone())
-            for t in full
+            # A clone each: a replicated DTensor may hold the very tensor it was made from.
+            torch.nn.Parameter(distribute_tensor(t.clone(), mesh, pl) if distributed else t.clone())
+            for t, pl in zip(full, place, strict=True)
         ]
         opt = Muon(
-            [dict(params=params, split_sizes=(4, 8))],
+            [dict(params=params, **group)],
             distributed_mesh=mesh if distributed else None,
             newton_schulz_func=orthogonalize64_batch,
-            chunk_bytes=1,  # smaller than one block: the packed weight must still go once
+            chunk_bytes=chunk_bytes,
             offload=True,
         )
         for s in range(2):
@@ -178,8 +189,7 @@ def packed_once(rank, world, port):
         results.append([p.full_tensor() if distributed else p.detach() for p in params])
     for a, b, x0 in zip(*results, full, strict=True):
         rel = ((a - x0) - (b - x0)).norm() / (b - x0).norm()
-        assert rel < 1e-5, rel.item()  # a block updated twice would be ~100% off
-    _finish()
+        assert rel < 1e-5, rel.item()
 
 
 def fsdp2(rank, world, port):
@@ -608,32 +618,11 @@ def heads(rank, world, port):
     refused at construction, as dion refuses them."""
     from torch.distributed.tensor import Replicate
 
-    from reference64 import orthogonalize64_batch
-
     mesh = init(rank, world, port)
     full = full_tensors(6, [(32, 24), (32, 24), (48, 16)])  # heads of 8 and 12 rows
     place = [[Shard(0)], [Replicate()], [Shard(0)]]
-    results = []
-    for distributed in (True, False):
-        params = [
-            # A clone each: a replicated DTensor may hold the very tensor it was made from.
-            torch.nn.Parameter(distribute_tensor(t.clone(), mesh, pl) if distributed else t.clone())
-            for t, pl in zip(full, place, strict=True)
-        ]
-        opt = Muon(
-            [dict(params=params, num_heads=4)],
-            distributed_mesh=mesh if distributed else None,
-            newton_schulz_func=orthogonalize64_batch,
-            chunk_bytes=4000,
-            offload=True,
-        )
-        for s in range(2):
-            set_grads(params, s, mesh)
-            opt.step()
-        results.append([p.full_tensor() if distributed else p.detach() for p in params])
-    for a, b, x0 in zip(*results, full, strict=True):
-        rel = ((a - x0) - (b - x0)).norm() / (b - x0).norm()
-        assert rel < 1e-5, rel.item()  # a head cut across ranks would be far off
+    # (a head cut across ranks would be far off)
+    _sharded_against_one(mesh, full, place, dict(num_heads=4), chunk_bytes=4000)
     for pl, num_heads, what in (([Shard(1)], 4, "dim 0"), ([Shard(0)], 3, "multiple")):
         p = torch.nn.Parameter(distribute_tensor(full[0][:24].clone(), mesh, pl))
         try:
