@@ -33,7 +33,7 @@ from ..kernels._launch import ALIGN_BYTES
 from . import dispatch
 from .chunks import ChunkLayout
 from .host_ring import HostRing
-from .planner import MatrixUnit
+from .planner import unit_params
 
 
 def grad_table(table: GradTable | None, backend: str, device) -> GradTable | None:
@@ -42,11 +42,6 @@ def grad_table(table: GradTable | None, backend: str, device) -> GradTable | Non
     if not dispatch.uses_triton(backend, device):
         return None
     return table if table is not None and table.device == device else GradTable(device)
-
-
-def _positions(unit) -> Sequence[int]:
-    """Each item's parameter, as its position in the step's work."""
-    return unit.params if isinstance(unit, MatrixUnit) else [s.param for s in unit.segments]
 
 
 class GradTable:
@@ -102,7 +97,7 @@ class GradTable:
             for u in layout.units:
                 start = len(params)
                 hyper = hypers[u.unit.group]
-                for pos, p, span in zip(_positions(u.unit), u.params, u.spans, strict=True):
+                for pos, p, span in zip(unit_params(u.unit), u.params, u.spans, strict=True):
                     size = work.grad_dtypes[pos].itemsize
                     first = 0 if span is None else span.start
                     for piece in u.algorithm.grad_pieces(hyper, tuple(p.shape)):
