@@ -27,6 +27,17 @@ def _clone(tensors):
     return [t.clone() for t in tensors]
 
 
+def _one_sign(gs, ms, device):
+    """g and m of one random sign per element, |.| >= 0.1: any lerp of them is >= 0.1 from
+    zero, so its sign (Lion's update, a cautious mask) cannot flip on a rounding difference."""
+    out_g, out_m = [], []
+    for g, m in zip(gs, ms, strict=True):
+        sign = torch.randn(g.numel(), device=device).sign()
+        out_g.append((sign * (g.float().abs() + 0.1)).to(g.dtype))
+        out_m.append((sign * (m.float().abs() + 0.1)).to(m.dtype))
+    return out_g, out_m
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES, ids=lambda d: "-".join(str(x)[6:] for x in d))
 @pytest.mark.parametrize("step", [1, 7])
@@ -35,6 +46,8 @@ def test_adamw_matches_reference(device, dtypes, step, cautious_wd):
     p_dtype, g_dtype, s_dtype = dtypes
     p, g = _segments(SIZES, p_dtype, device), _segments(SIZES, g_dtype, device)
     m, v = _segments(SIZES, s_dtype, device), _segments(SIZES, s_dtype, device, positive=True)
+    if cautious_wd:  # the mask's sign(m_new): away from zero, or fp32 rounding could flip it
+        g, m = _one_sign(g, m, device)
     ref = [_clone(x) for x in (p, g, m, v)]
     adamw_(p, g, m, v, **ADAMW, step=step, cautious_wd=cautious_wd)
     adamw_reference_(*ref, **ADAMW, step=step, cautious_wd=cautious_wd)
@@ -51,15 +64,7 @@ def test_lion_matches_reference(device, dtypes, cautious_wd):
     p = _segments(SIZES, p_dtype, device)
     # Lion's update is a sign: keep lerp(m, g) away from zero (m and g of one sign, |.| >= 0.1),
     # or a rounding difference could flip it.
-    signs = [torch.randn(n, device=device).sign() for n in SIZES]
-    m = [
-        (s * (randn(n, F32, device).abs() + 0.1)).to(s_dtype)
-        for s, n in zip(signs, SIZES, strict=True)
-    ]
-    g = [
-        (s * (randn(n, F32, device).abs() + 0.1)).to(g_dtype)
-        for s, n in zip(signs, SIZES, strict=True)
-    ]
+    g, m = _one_sign(_segments(SIZES, g_dtype, device), _segments(SIZES, s_dtype, device), device)
     ref = [_clone(x) for x in (p, g, m)]
     lion_(p, g, m, **LION, cautious_wd=cautious_wd)
     lion_reference_(*ref, **LION, cautious_wd=cautious_wd)
