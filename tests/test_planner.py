@@ -1,8 +1,10 @@
 """The chunk planner: pure Python, checked on random workloads without any tensor."""
 
 import dataclasses
+import math
 import random
 from collections import Counter
+from dataclasses import astuple
 
 import pytest
 
@@ -20,17 +22,17 @@ from muon_offload.engine.planner import (
 
 def _random_params(rng, n=40, resident_share=0.0):
     params = []
-    shapes = [(64, 32), (32, 64), (48, 48), (3, 16, 16)]
+    shapes = [(64, 32), (32, 64), (48, 48), (3, 16, 16), (7, 9, 13), (2, 3, 8, 8)]
     for i in range(n):
         group = rng.randrange(3)
         algorithm = ["muon", "adamw", "lion"][group]
+        matrices = 1
         if algorithm == "muon":
             shape = rng.choice(shapes)
-            numel = 1
-            for d in shape:
-                numel *= d
+            numel = math.prod(shape)
             per = 4
             key = (shape, "f32")
+            matrices = math.prod(shape[:-2])
         else:
             numel = rng.choice([1, 7, 100, 5000, 40000])
             per = 8 if algorithm == "adamw" else 4
@@ -44,6 +46,7 @@ def _random_params(rng, n=40, resident_share=0.0):
                 plan_bytes=numel * per,
                 batch_key=key,
                 resident=rng.random() < resident_share,
+                matrices=matrices,
                 elementwise=algorithm != "muon",
             )
         )
@@ -55,31 +58,58 @@ def _matrix(index, numel, key, resident=True, group=0, algorithm="muon"):
     return ParamInfo(index, group, algorithm, numel, 4 * numel, key, resident, elementwise=False)
 
 
+def _piece_bytes(p, piece):
+    """A matrix item's share of its parameter's plan_bytes: matrices [start, stop) of
+    ``p.matrices`` (the whole for None), rounded so that the pieces add up to the whole."""
+    if piece is None:
+        return p.plan_bytes
+    return p.plan_bytes * piece.stop // p.matrices - p.plan_bytes * piece.start // p.matrices
+
+
+def _covers_exactly(ranges, end):
+    """[start, stop) ranges that cover [0, end) once each, without gap or overlap."""
+    pos = 0
+    for start, stop in sorted(ranges):
+        assert start == pos and stop > start
+        pos = stop
+    assert pos == end
+
+
 def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
     by_index = {p.index: p for p in params}
-    matrix_seen = []
+    matrix_seen = {p.index: [] for p in params if not p.elementwise}
     covered = {p.index: [] for p in params if p.elementwise}
     for chunk in plan.chunks:
         assert chunk.plan_bytes == sum(u.plan_bytes for u in chunk.units)
         budget = chunk_bytes
         if chunk.resident and resident_chunk_bytes is not None:
             budget = resident_chunk_bytes
-        # Over budget only as a lone oversized matrix unit, or by less than one aligned
-        # element-wise cut when the budget is smaller than that. Only streamed parameters
-        # are reported as oversized (they size the staging arena).
+        # Over budget only as a lone unit of one piece that cannot be cut (a matrix, or a
+        # parameter kept whole), or by less than one aligned element-wise cut when the budget
+        # is smaller than that. Only streamed parameters are reported as oversized (they size
+        # the staging arena).
         if chunk.plan_bytes > max(budget, SEGMENT_ALIGN * 8):
             assert len(chunk.units) == 1 and isinstance(chunk.units[0], MatrixUnit)
-            assert len(chunk.units[0].params) == 1
-            assert (chunk.units[0].params[0] in plan.oversized) == (not chunk.resident)
+            unit = chunk.units[0]
+            assert len(unit.params) == 1
+            piece = unit.piece(0)
+            assert by_index[unit.params[0]].matrices == 1 or piece.stop - piece.start == 1
+            assert (unit.params[0] in plan.oversized) == (not chunk.resident)
         for unit in chunk.units:
             if isinstance(unit, MatrixUnit):
                 members = [by_index[i] for i in unit.params]
+                pieces = [unit.piece(k) for k in range(len(members))]
+                assert unit.pieces == () or len(unit.pieces) == len(members)
                 assert {m.group for m in members} == {unit.group}
                 assert len({m.batch_key for m in members}) == 1
                 assert {m.resident for m in members} == {chunk.resident}
-                assert unit.plan_bytes == sum(m.plan_bytes for m in members)
+                assert unit.plan_bytes == sum(map(_piece_bytes, members, pieces))
                 assert {m.algorithm for m in members} == {unit.algorithm}
-                matrix_seen.extend(unit.params)
+                for m, piece in zip(members, pieces, strict=True):
+                    # Cut only a stack that does not fit the budget whole.
+                    assert piece is None or (m.matrices > 1 and m.plan_bytes > budget)
+                    whole = (0, m.matrices)
+                    matrix_seen[m.index].append(whole if piece is None else astuple(piece))
             else:
                 assert isinstance(unit, ElementwiseUnit)
                 for seg in unit.segments:
@@ -87,23 +117,21 @@ def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
                     assert by_index[seg.param].resident == chunk.resident
                     covered[seg.param].append((seg.start, seg.stop))
                     assert seg.start % SEGMENT_ALIGN == 0
-    # Every matrix parameter in exactly one unit: a packed parameter is updated once per step.
-    assert sorted(matrix_seen) == sorted(p.index for p in params if not p.elementwise)
+    # Every matrix of every matrix parameter in exactly one unit: a packed parameter, a
+    # matrix, is updated once per step.
+    for index, ranges in matrix_seen.items():
+        _covers_exactly(ranges, by_index[index].matrices)
     # Element-wise parameters covered exactly, without overlap (the chunks holding a
     # parameter's segments need not run in the segments' order: ``_interleave``).
     for index, ranges in covered.items():
-        pos = 0
-        for start, stop in sorted(ranges):
-            assert start == pos and stop > start
-            pos = stop
-        assert pos == by_index[index].numel
+        _covers_exactly(ranges, by_index[index].numel)
     # Resident chunks first.
     flags = [c.resident for c in plan.chunks]
     assert flags == sorted(flags, reverse=True)
 
 
 @pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("chunk_bytes", [1, 100, 9000, 50_000, 10**9])
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 1000, 9000, 50_000, 10**9])
 def test_random_plans_are_sound(seed, chunk_bytes):
     rng = random.Random(seed)
     params = _random_params(rng, resident_share=[0.0, 0.3, 1.0][seed % 3])
@@ -142,6 +170,60 @@ def test_oversized_matrix_gets_its_own_chunk(resident):
     # Reported only when streamed: a resident one sizes no staging buffer.
     assert plan.oversized == (() if resident else (3,))
     assert [u.params for c in plan.chunks for u in c.units] == [(0, 1), (2,), (3,)]
+
+
+def _stack(index, shape, resident=False, group=0):
+    """A Muon stack of fp32 state: ``shape[:-2]`` matrices that the planner may cut between."""
+    numel = math.prod(shape)
+    return ParamInfo(
+        index,
+        group,
+        "muon",
+        numel,
+        4 * numel,
+        (shape,),
+        resident,
+        matrices=math.prod(shape[:-2]),
+        elementwise=False,
+    )
+
+
+def test_moe_stack_over_budget_is_cut_at_matrix_boundaries_into_even_pieces():
+    """48 experts of 1024 x 1024 (192 MiB of fp32 momentum) against 128 MiB chunks: two
+    pieces of 24 matrices, each within budget, instead of one 192 MiB chunk whose load
+    nothing overlaps; nothing is reported oversized."""
+    stack = _stack(0, (48, 1024, 1024))
+    plan = plan_step([stack], 128 << 20)
+    _check_plan([stack], plan, 128 << 20)
+    assert [[astuple(p) for p in u.pieces] for u in plan.units()] == [[(0, 24)], [(24, 48)]]
+    assert all(c.plan_bytes <= 128 << 20 for c in plan.chunks) and plan.oversized == ()
+
+
+@pytest.mark.parametrize("resident", [False, True])
+@pytest.mark.parametrize("chunk_bytes", [1, 8_000, 8_580, 20_000, 40_000, 60_059, 60_060])
+def test_stack_and_vector_below_budget_are_covered_once_within_it(resident, chunk_bytes):
+    """A (7, 33, 65) stack (8,580 bytes a matrix), a 2-D matrix (9,100 bytes), and an AdamW
+    vector, all over most of these budgets: no chunk goes over budget except one holding a
+    single matrix alone, and every matrix and element is in exactly one unit."""
+    params = [
+        _stack(0, (7, 33, 65), resident),
+        _stack(1, (35, 65), resident),
+        _stack(2, (5, 33, 65), resident),
+        ParamInfo(3, 1, "adamw", 10_007, 80_056, resident=resident, elementwise=True),
+    ]
+    plan = plan_step(params, chunk_bytes)
+    _check_plan(params, plan, chunk_bytes)
+    assert plan == plan_step(params, chunk_bytes)  # pure: shapes and budget alone decide
+    # Over budget: the 2-D matrix below 9,100 bytes, and below 8,580 each of the 12 matrices.
+    over = [c for c in plan.chunks if holds_matrices(c) and c.plan_bytes > chunk_bytes]
+    assert len(over) == (0 if chunk_bytes >= 9_100 else 1 if chunk_bytes >= 8_580 else 13)
+
+
+def test_stack_that_fits_is_not_cut():
+    """Within budget a stack stays whole and batches with its shape's others."""
+    params = [_stack(0, (7, 33, 65)), _stack(1, (7, 33, 65))]
+    plan = plan_step(params, 2 * 7 * 8580)
+    assert [(u.params, u.pieces) for u in plan.units()] == [((0, 1), ())]
 
 
 def test_units_batch_same_shape_up_to_the_budget():

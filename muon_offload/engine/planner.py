@@ -5,14 +5,20 @@ A step's work is cut into *units*, and units are packed into *chunks* of at most
 no algorithm by name: each parameter says whether its algorithm is element-wise
 (``ParamInfo.elementwise``, from ``Algorithm.elementwise``).
 
-- A matrix unit (``MatrixUnit``) batches whole parameters of a non-element-wise algorithm
-  (Muon) that share a ``batch_key`` (shape, dtype, state format, placement): for Muon, the
-  batch that is orthogonalized together. A parameter is never split across units, so a
-  packed parameter (dion's ``split_sizes``) or a 3-D stack of matrices is updated exactly once.
+- A matrix unit (``MatrixUnit``) batches parameters of a non-element-wise algorithm (Muon)
+  that share a ``batch_key`` (shape, dtype, state format, placement): for Muon, the batch
+  that is orthogonalized together. A parameter goes whole into one unit, except a stack of
+  matrices (``ParamInfo.matrices`` > 1) with more state than the budget: it is cut at matrix
+  boundaries into pieces (``Matrices``) of about equal size, each within the budget, so that
+  its load overlaps an update like any other chunk's. Each matrix is still in exactly one
+  unit, and Muon orthogonalizes every matrix of a stack on its own, so the cut changes no
+  result. A single matrix is never cut (orthogonalization needs the whole of it), nor a
+  packed parameter (dion's ``split_sizes``: row blocks of one matrix).
 - Element-wise (adamw, lion) state has no structure to respect, so a parameter is cut
   anywhere (on a multiple of SEGMENT_ALIGN elements) into segments, and no chunk is forced
   over budget by a large embedding.
-- A single matrix parameter larger than ``chunk_bytes`` becomes a unit and a chunk of its own.
+- A single matrix larger than ``chunk_bytes`` (a 2-D parameter, or one matrix of a stack)
+  becomes a unit and a chunk of its own.
 - Within each part (resident, streamed) matrix units are packed first, then element-wise
   parameters. A plan lists its chunks in the order they run: the resident ones first, as
   packed; then the streamed ones, with the chunks that hold only element-wise units spread
@@ -61,6 +67,10 @@ class ParamInfo:
     # Element-wise parameters share a unit only with the same key (the state format): one
     # unit is one kernel's work.
     unit_key: Hashable = None
+    # Matrix parameters: how many equal matrices it may be cut into at their boundaries (a
+    # stack's, ``muon_shapes.matrix_count``), when its state is over budget; 1 keeps it whole.
+    # Set from shapes and settings alone, so every rank cuts the same pieces.
+    matrices: int = 1
     # Whether the algorithm may see the parameter cut into segments (``Algorithm.elementwise``):
     # False makes it a matrix parameter, kept whole and batched by ``batch_key``. Required, so
     # that no caller gets one kind by default.
@@ -68,13 +78,26 @@ class ParamInfo:
 
 
 @dataclass(frozen=True)
+class Matrices:
+    """Matrices [start, stop) of a stack (the parameter seen as ``(matrices, rows, cols)``)."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class MatrixUnit:
-    """Whole parameters of one group, batched by ``ParamInfo.batch_key`` (a Muon batch)."""
+    """Parameters of one group, batched by ``ParamInfo.batch_key`` (a Muon batch): each whole,
+    or for a stack cut at matrix boundaries, the piece ``pieces[k]`` of ``params[k]``."""
 
     group: int
     algorithm: str
     params: tuple[int, ...]
     plan_bytes: int
+    pieces: tuple[Matrices | None, ...] = ()  # one an item (None: whole); (): every one whole
+
+    def piece(self, k: int) -> Matrices | None:
+        return self.pieces[k] if self.pieces else None
 
 
 @dataclass(frozen=True)
@@ -113,7 +136,8 @@ class Chunk:
 @dataclass(frozen=True)
 class Plan:
     chunks: tuple[Chunk, ...]
-    # Streamed matrix parameters that alone exceed chunk_bytes (each got a chunk of its own).
+    # Streamed matrix parameters of which one piece that cannot be cut further (a matrix, or
+    # a stack kept whole) exceeds chunk_bytes: each such piece got a chunk of its own.
     oversized: tuple[int, ...] = ()
 
     def units(self):
@@ -243,21 +267,54 @@ def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: li
         for p in members:
             buckets.setdefault(p.batch_key, []).append(p)
         for bucket in buckets.values():
-            unit: list[ParamInfo] = []
+            unit: list[tuple[int, Matrices | None]] = []
             unit_bytes = 0
             for p in bucket:
-                if unit and unit_bytes + p.plan_bytes > chunk_bytes:
-                    yield MatrixUnit(group, algorithm, tuple(q.index for q in unit), unit_bytes)
-                    unit, unit_bytes = [], 0
-                unit.append(p)
-                unit_bytes += p.plan_bytes
-                if p.plan_bytes > chunk_bytes:
-                    oversized.append(p.index)
+                for piece, nbytes in _pieces(p, chunk_bytes):
+                    if unit and unit_bytes + nbytes > chunk_bytes:
+                        yield _matrix_unit(group, algorithm, unit, unit_bytes)
+                        unit, unit_bytes = [], 0
+                    unit.append((p.index, piece))
+                    unit_bytes += nbytes
+                    if nbytes > chunk_bytes and p.index not in oversized[-1:]:
+                        oversized.append(p.index)
             if unit:
-                yield MatrixUnit(group, algorithm, tuple(q.index for q in unit), unit_bytes)
+                yield _matrix_unit(group, algorithm, unit, unit_bytes)
     for members in groups.values():
         if members[0].elementwise:
             yield from members
+
+
+def _pieces(p: ParamInfo, chunk_bytes: int) -> list[tuple[Matrices | None, int]]:
+    """(piece, plan bytes) of a matrix parameter: itself whole, or, for a stack over budget,
+    runs of whole matrices of about equal size, as few as fit the budget (a matrix alone may
+    not). Integers only, from the planner's inputs alone: the same pieces on every rank."""
+    if p.matrices <= 1 or p.plan_bytes <= chunk_bytes:
+        return [(None, p.plan_bytes)]
+    per_matrix = -(-p.plan_bytes // p.matrices)
+    fit = max(1, chunk_bytes // per_matrix)  # matrices a piece may hold
+    count = -(-p.matrices // fit)
+    small, extra = divmod(p.matrices, count)  # the first ``extra`` pieces hold one more
+    out, start = [], 0
+    for k in range(count):
+        stop = start + small + (k < extra)
+        # Each piece's share of plan_bytes (they add up to it exactly).
+        nbytes = p.plan_bytes * stop // p.matrices - p.plan_bytes * start // p.matrices
+        out.append((Matrices(start, stop), nbytes))
+        start = stop
+    return out
+
+
+def _matrix_unit(group: int, algorithm: str, items: list, nbytes: int) -> MatrixUnit:
+    """A unit of (parameter index, piece) items; whole parameters only: no ``pieces``."""
+    pieces = tuple(piece for _, piece in items)
+    return MatrixUnit(
+        group,
+        algorithm,
+        tuple(i for i, _ in items),
+        nbytes,
+        pieces if any(pieces) else (),
+    )
 
 
 @dataclass
