@@ -22,7 +22,7 @@ from ..distributed import DTensor, Mesh, local, run_tasks
 from ..hyper import Hyper, StepWork
 from ..kernels._grad_index import GradIndex
 from .algorithm import Algorithm, UnitJob
-from .planner import Chunk, MatrixUnit, Unit, unit_params
+from .planner import Chunk, Matrices, MatrixUnit, Unit, unit_params
 
 _grad = attrgetter("grad")
 
@@ -58,11 +58,34 @@ def write_back(ctx: StepContext) -> None:
         p.copy_(ctx.copies[id(p)])
 
 
-def unit_items(unit: Unit, work) -> list[tuple[Tensor, slice | None]]:
-    """(parameter, flat element range, or None for the whole) of each item of a unit."""
+Span = slice | Matrices | None  # an item's part of its parameter: flat elements, matrices, all
+
+
+def unit_items(unit: Unit, work) -> list[tuple[Tensor, Span]]:
+    """(parameter, its part: a flat element range, a stack's matrices, or None for the whole)
+    of each item of a unit."""
     if isinstance(unit, MatrixUnit):
-        return [(work[i][1], None) for i in unit.params]
+        return [(work[i][1], unit.piece(k)) for k, i in enumerate(unit.params)]
     return [(work[s.param][1], slice(s.start, s.stop)) for s in unit.segments]
+
+
+def stack_piece(t: Tensor, piece: Matrices) -> Tensor:
+    """Matrices [start, stop) of a contiguous stack ``t`` (``(..., rows, cols)``), as a view of
+    shape ``(stop - start, rows, cols)``: updated in place, it updates ``t``."""
+    return t.view(-1, *t.shape[-2:])[piece.start : piece.stop]
+
+
+def _piece_of(t: Tensor, piece: Matrices | None) -> Tensor:
+    return t if piece is None else stack_piece(t, piece)
+
+
+def _part(fmt, name: str, t: Tensor, span: Span) -> Tensor:
+    """An item's part of one of its parameter's state tensors."""
+    if span is None:
+        return t
+    if isinstance(span, Matrices):
+        return fmt.matrices(name, t, span)
+    return fmt.segment(name, t, span)
 
 
 def chunk_state(state: dict, formats: dict, chunk: Chunk, work) -> list[Tensor]:
@@ -72,9 +95,7 @@ def chunk_state(state: dict, formats: dict, chunk: Chunk, work) -> list[Tensor]:
     for unit in chunk.units:
         for p, span in unit_items(unit, work):
             fmt = formats[p]
-            for name, t in state[p].items():
-                t = local(t)
-                out.append(t if span is None else fmt.segment(name, t, span))
+            out.extend(_part(fmt, name, local(t), span) for name, t in state[p].items())
     return out
 
 
@@ -86,7 +107,7 @@ class UnitLayout:
     algorithm: Algorithm
     mesh: Mesh
     params: tuple[Tensor, ...]  # each item's parameter
-    spans: tuple[slice | None, ...]  # each item's flat element range (None: the whole)
+    spans: tuple[Span, ...]  # each item's part of its parameter (unit_items)
     state_range: tuple[int, int]  # the unit's range in its chunk's state list
     nkeys: int  # state tensors per item: one a key, or codes and scales
     quantized: bool
@@ -186,6 +207,9 @@ def _job(
             grads = list(map(Tensor.contiguous, map(_grad, u.params)))
         else:
             grads = [local(p.grad).contiguous() for p in u.params]
+        if u.unit.pieces:  # a stack cut at matrix boundaries: the unit's matrices of each
+            params = [_piece_of(x, s) for x, s in zip(params, u.spans, strict=True)]
+            grads = [_piece_of(g, s) for g, s in zip(grads, u.spans, strict=True)]
     group = u.unit.group
     return UnitJob(
         group=group,

@@ -4,8 +4,9 @@ fp32 scale per block of ``block`` elements, a pair a key).
 The format owns what the rest of the engine must not guess: the tensors a key needs and their
 shapes (``specs``), the bytes an element costs (for budgets), where element-wise cuts may fall
 (``align``: whole blocks, so a block's scale never depends on the chunking), and how a segment
-of a parameter maps onto each tensor (``segment``). State is allocated key by key, codes then
-scales, so a parameter's state stays one contiguous host range and streams as one copy.
+of a parameter, or some matrices of a stack, map onto each tensor (``segment``, ``matrices``).
+State is allocated key by key, codes then scales, so a parameter's state stays one contiguous
+host range and streams as one copy.
 
 Blocks: element-wise state counts blocks over the parameter's flattened elements; Muon's
 momentum over each matrix's own elements (``matrices`` > 1 for a stack), so a matrix's blocks
@@ -47,6 +48,10 @@ class Dense:
 
     def segment(self, name: str, t: Tensor, span: slice) -> Tensor:
         return t.view(-1)[span]
+
+    def matrices(self, name: str, t: Tensor, piece) -> Tensor:
+        """Matrices [start, stop) of a stack's state (``planner.Matrices``)."""
+        return t.view(-1, *t.shape[-2:])[piece.start : piece.stop]
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,13 @@ class Int8:
             # Segments start on block boundaries (align); the last may end mid-block.
             return t.view(-1)[span.start // self.block : -(-span.stop // self.block)]
         return t.view(-1)[span]
+
+    def matrices(self, name: str, t: Tensor, piece) -> Tensor:
+        """Matrices [start, stop) of a stack's state (``planner.Matrices``): their codes, and
+        their rows of scales (one a matrix: a block never spans two matrices)."""
+        if name.endswith("_scales"):
+            return t[piece.start : piece.stop]
+        return t.view(-1, *t.shape[-2:])[piece.start : piece.stop]
 
 
 class StatePolicy:
