@@ -44,7 +44,8 @@ except ModuleNotFoundError as error:
 
     triton = types.SimpleNamespace(
         __version__=None,
-        jit=_Kernel,
+        # ``@triton.jit`` and ``@triton.jit(do_not_specialize=...)`` alike
+        jit=lambda fn=None, **_: _Kernel(fn) if fn is not None else _Kernel,
         cdiv=lambda a, b: -(-a // b),
         next_power_of_2=lambda n: 1 << max(int(n) - 1, 0).bit_length(),
     )

@@ -68,7 +68,7 @@ GRAM_INTERPRETER_CONFIG = Config(block=32, chunk=32, num_warps=4, num_stages=1)
 MAX_GRID_Y = 65535
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("b_start",))
 def _sym_gram_kernel(
     x,  # [B, M, K]
     w,  # [B, M, K], the second factor (x itself for a Gram matrix)

@@ -86,7 +86,7 @@ def _epilogue(
         tl.store(p_t, tl.trans(b_c), mask=mask_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("items",))
 def _sym_gram_tma_kernel(
     x_desc,  # [B, M, K] box [1, BLOCK, BLOCK_K]; X_T: x.mT [B, K, M] box [1, BLOCK_K, BLOCK]
     w_desc,  # the second factor likewise (W_T)

@@ -70,7 +70,7 @@ def _prep_tile(m_ptr, g_ptr, u_ptr, offs, mask, mu, NESTEROV: tl.constexpr):
     return u.to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("chunks",))
 def _muon_prep_kernel(
     table,  # [B, 2] int64: momentum address, the gradient's row in grads
     grads,  # int64: gradient addresses (GradIndex.table)

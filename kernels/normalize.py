@@ -63,7 +63,7 @@ def inverse_norm(sumsq, i_b, norm_scale, eps_ptr, ROUND_SCALE: tl.constexpr):
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("b_start",))
 def _normalize_kernel(
     u,  # [B, numel], each matrix's storage contiguous
     out,  # [B, numel]

@@ -73,7 +73,7 @@ POLY_APPLY_POINTER_CONFIGS = tuple(c for c in POLY_APPLY_CONFIGS if not c.tma)
 POLY_APPLY_INTERPRETER_CONFIG = Config(block=32, block_m=32, chunk=32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("b_start",))
 def _poly_apply_kernel(
     poly,  # [B, M, M], symmetric
     x,  # [B, M, N]

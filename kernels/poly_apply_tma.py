@@ -102,7 +102,7 @@ def _epilogue(
         tl.store(p_o, b_acc.to(p_o.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("items",))
 def _poly_apply_tma_kernel(
     p_desc,  # poly [B, M, M] box [1, BLOCK_M, BLOCK_K] (rows contiguous: B = B^T if need be)
     x_desc,  # x [B, M, N] box [1, BLOCK_K, BLOCK_N]; X_T: x.mT [B, N, M] box [1, BLOCK_N, BLOCK_K]

@@ -86,7 +86,7 @@ def _prep8_tile(
     return tl.sum(u * u, axis=1)  # masked elements are 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("chunks",))
 def _prep8_kernel(
     table,  # [B, 3] int64: momentum codes, momentum scales addresses, gradient row in grads
     grads,  # int64: gradient addresses (GradIndex.table)
@@ -124,7 +124,7 @@ def _prep8_kernel(
     tl.store(partial + i_m * chunks + i_c, tl.sum(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("chunks",))
 def _row_sum_kernel(partial, out, chunks, BLOCK: tl.constexpr):
     # One program a matrix, one fixed order: the sum depends on the matrix's chunk count
     # only, never on how many matrices share the launch.

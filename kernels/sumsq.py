@@ -12,8 +12,10 @@ configuration or the compiler's register layout:
 3. the lanes are added pairwise, neighbours first (``tree_sum``): a sum of two numbers is
    the same whichever is first, so the result does not depend on which thread holds what,
    as ``tl.sum`` over many elements would (its order follows the layout, i.e. num_warps);
-4. the groups' partial sums: lane ``l`` of ``lanes_for(groups)`` adds partials
-   ``l, l + lanes, ...`` in turn, then the lanes pairwise (``sum_partials``).
+4. the groups' partial sums: lane ``l`` of ``lanes = min(MAX_ROW_LANES,
+   next_power_of_2(groups))`` adds partials ``l, l + lanes, ...`` in turn, then the lanes
+   pairwise (``sum_partials``, which runs ``MAX_ROW_LANES`` lanes: the ones past ``lanes``
+   hold exact zeros, so the sum is the same bit for bit).
 
 Squares are accumulated without fused multiply-adds (``enable_fp_fusion=False``).
 """
@@ -41,7 +43,7 @@ def tree_sum(x, LOG2: tl.constexpr):
     return tl.sum(x, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("b_start", "groups"))
 def _sumsq_partial_kernel(
     u,  # [B, numel], each matrix's storage contiguous
     partial,  # [B, groups] fp32
@@ -71,7 +73,7 @@ def _sumsq_partial_kernel(
     tl.store(partial + i_b * groups + i_c, tree_sum(acc, LOG2_BLOCK))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("groups",))
 def _sum_rows_kernel(partial, out, groups, LANES: tl.constexpr, LOG2_LANES: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, LANES)
@@ -85,23 +87,20 @@ def groups_for(numel: int) -> int:
     return triton.cdiv(numel, SUMSQ_CHUNK)
 
 
-def _lanes_for(groups: int) -> int:
-    # Zero lanes add exactly nothing, so any power of two >= groups gives the same sum.
-    return min(MAX_ROW_LANES, triton.next_power_of_2(groups))
-
-
 def sum_partials(partial: Tensor, out: Tensor) -> Tensor:
     """out [B] fp32 = each row of partial [B, groups] (contiguous) summed in the fixed order."""
     batch, groups = partial.shape
     if batch == 0:
         return out
-    lanes = _lanes_for(groups)
     _sum_rows_kernel[(batch,)](
         partial,
         out,
         groups,
-        LANES=lanes,
-        LOG2_LANES=lanes.bit_length() - 1,
+        # Always the most lanes: zero lanes add exactly nothing, so the sum is that of
+        # next_power_of_2(groups) lanes bit for bit, and one compiled kernel serves every
+        # size (sumsq is non-negative or NaN: + 0.0 changes neither).
+        LANES=MAX_ROW_LANES,
+        LOG2_LANES=MAX_ROW_LANES.bit_length() - 1,
         num_warps=4,
         enable_fp_fusion=False,  # adds only: nothing to fuse, and no default to depend on
     )
