@@ -1,0 +1,143 @@
+"""bench/training_loop.py's figures: a mode's row from what its iterations measured, the table
+printed, and what the run ran on (the JSON's ``info``)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+
+import torch
+
+from muon_offload.tools.bench import machine
+from muon_offload.tools.bench.dion_runner import dion_commit
+from muon_offload.tools.bench.timing import GIB
+
+
+def gib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / GIB
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def row(copy) -> dict:
+    """One mode's figures; step columns None for ``no_step``, memory None on the CPU."""
+    opt = copy.opt
+    stats = getattr(opt, "graph_stats", None)  # ours; dion's and torch's have none
+    own = None if copy.held is None or copy.added is None else copy.held + copy.added
+    return {
+        "median_iter_s": statistics.median(copy.iter_s),
+        "min_iter_s": min(copy.iter_s),
+        "max_iter_s": max(copy.iter_s),
+        "median_step_ms": median(copy.step_ms),
+        "median_host_ms": median(copy.host_ms),
+        "first_step_s": copy.first_step["s"] if copy.first_step else None,
+        "first_step_host_s": copy.first_step["host_s"] if copy.first_step else None,
+        "graph": stats() if stats else None,
+        "peak_allocated_gib": gib(copy.peak),
+        "peak_reserved_gib": gib(copy.reserved),
+        "held_gib": gib(copy.held),
+        "own_peak_gib": gib(own),
+        "host_state_gib": gib(getattr(opt, "host_state_bytes", None)),
+        "last_loss": copy.losses[-1],
+        "losses": copy.losses,
+        "iter_s": copy.iter_s,
+        "step_ms": copy.step_ms,
+        "host_ms": copy.host_ms,
+    }
+
+
+def summary(copies: dict) -> dict:
+    """Every live copy's row with its step share: its median iteration minus ``no_step``'s
+    (None without a live ``no_step``)."""
+    new = {name: row(copy) for name, copy in copies.items()}
+    base = new["no_step"]["median_iter_s"] if "no_step" in new else None
+    for r in new.values():
+        r["step_share_s"] = None if base is None else r["median_iter_s"] - base
+    return new
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def graphs(stats: dict | None) -> str:
+    if stats is None:
+        return "-"
+    return f"{stats['captures']}/{stats['replays']}/{stats['eager_steps']}"
+
+
+COLUMNS = (
+    ("mode", "<18"),
+    ("iter s", ">7"),
+    ("share s", ">7"),
+    ("step ms", ">8"),
+    ("host ms", ">8"),
+    ("first s", ">7"),
+    ("graph c/r/e", ">11"),
+    ("peak GiB", ">8"),
+    ("rsrvd GiB", ">9"),
+    ("own GiB", ">7"),
+    ("loss", ">7"),
+)
+
+
+def table(rows: dict) -> str:
+    """A markdown table: one line a mode, in the order the modes ran."""
+    lines = [
+        "| " + " | ".join(format(name, spec) for name, spec in COLUMNS) + " |",
+        "|"
+        + "|".join(
+            "-" * (int(spec[1:]) + 1) + ("-" if spec[0] == "<" else ":") for _, spec in COLUMNS
+        )
+        + "|",
+    ]
+    for name, r in rows.items():
+        if "median_iter_s" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            what = "skipped" if "skipped" in r else "error"
+            cells = [name, f"{what}: {why[:160]}"] + [""] * (len(COLUMNS) - 2)
+        else:
+            cells = [
+                name,
+                f"{r['median_iter_s']:.4f}",
+                fmt(r["step_share_s"], ".4f"),
+                fmt(r["median_step_ms"], ".2f"),
+                fmt(r["median_host_ms"], ".2f"),
+                fmt(r["first_step_s"], ".3f"),
+                graphs(r["graph"]),
+                fmt(r["peak_allocated_gib"], ".2f"),
+                fmt(r["peak_reserved_gib"], ".2f"),
+                fmt(r["own_peak_gib"], ".2f"),
+                f"{r['last_loss']:.4f}",
+            ]
+        lines.append(
+            "| "
+            + " | ".join(format(c, spec) for c, (_, spec) in zip(cells, COLUMNS, strict=True))
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def environment(args, dion, argv: list[str]) -> dict:
+    import transformers
+
+    device = args.device
+    info = {
+        "card": machine.card(device),
+        "driver": machine.driver_version() if device.type == "cuda" else None,
+        **machine.versions(),
+        "transformers": transformers.__version__,
+        "dion": None,
+        "date": machine.now(),
+        "command": shlex.join(argv),
+        "args": {k: str(v) if isinstance(v, torch.device) else v for k, v in vars(args).items()},
+        "loop": "fp32 weights, bf16 autocast forward, backward, clip_grad_norm_(1.0), step, "
+        "zero_grad() (set_to_none=True)",
+    }
+    if dion is not None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(dion.__file__)))
+        info["dion"] = dion_commit(root) or root
+    return info

@@ -1,0 +1,111 @@
+"""bench/training_loop.py end to end on the CPU (a subprocess, as the GPU run starts it: dion
+must run eagerly, which is set before torch is imported): a 1-layer tiny dense and MoE model,
+one warm-up iteration, one round of two; every mode's row and table line, with finite
+figures; dion's row skipped, saying so, only where dion is not installed."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason='needs transformers: pip install -e ".[hf]"')
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = (
+    "no_step",
+    "ours_resident",
+    "ours_offload_fp32",
+    "ours_offload_int8",
+    "dion_resident",
+    "torch_adamw",
+)
+OURS = ("ours_resident", "ours_offload_fp32", "ours_offload_int8")
+WARMUP, ROUNDS, ITERS = 1, 1, 2
+
+
+def _finite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("training_loop") / "sub" / "tl.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "training_loop.py"), "--tiny", "--layers", "1"]
+    cmd += ["--device", "cpu", "--warmup", str(WARMUP), "--rounds", str(ROUNDS)]
+    cmd += ["--iters", str(ITERS), "--json", str(out)]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    # One thread: torch's pool of intra-op threads is many times slower on a busy machine.
+    env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_info_records_the_run(run):
+    r, _ = run
+    info = r["info"]
+    assert info["card"].startswith("CPU") and info["torch"] and info["transformers"]
+    assert info["date"] and "training_loop.py" in info["command"] and "--tiny" in info["command"]
+    assert list(r["models"]) == ["dense", "moe"]
+    for model in r["models"].values():
+        m = model["model"]
+        assert m["parameters"] == m["muon_parameters"] + m["adamw_parameters"] > 0
+        assert m["config"]["num_hidden_layers"] == 1
+    assert r["models"]["moe"]["model"]["config"]["num_experts"] > 1
+    assert r["models"]["moe"]["model"]["class"] == "Qwen3MoeForCausalLM"
+    assert r["models"]["dense"]["model"]["class"] == "Qwen3ForCausalLM"
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_every_mode_has_a_row_with_finite_figures(run, kind):
+    r, stdout = run
+    rows = r["models"][kind]["modes"]
+    assert list(rows) == list(MODES)  # in the order the copies were built
+    trained = {}
+    for name in MODES:
+        row = rows[name]
+        if name == "dion_resident" and importlib.util.find_spec("dion") is None:
+            assert "not importable" in row["skipped"]
+            continue
+        assert "error" not in row, row["error"]
+        trained[name] = row
+        assert len(row["losses"]) == WARMUP + ROUNDS * ITERS
+        assert (
+            all(math.isfinite(x) for x in row["losses"]) and row["last_loss"] == row["losses"][-1]
+        )
+        assert len(row["iter_s"]) == ROUNDS * ITERS and all(t > 0 for t in row["iter_s"])
+        assert 0 < row["min_iter_s"] <= row["median_iter_s"] <= row["max_iter_s"]
+        assert _finite(row["step_share_s"])
+        share = row["median_iter_s"] - rows["no_step"]["median_iter_s"]
+        assert row["step_share_s"] == pytest.approx(share, rel=1e-12, abs=1e-15)
+        assert row["peak_allocated_gib"] is None and row["own_peak_gib"] is None  # no GPU
+        if name == "no_step":
+            assert row["step_share_s"] == 0.0 and row["median_step_ms"] is None
+            assert row["first_step_s"] is None and row["graph"] is None
+            continue
+        assert len(row["step_ms"]) == len(row["host_ms"]) == ROUNDS * ITERS
+        for key in ("median_step_ms", "median_host_ms", "first_step_s", "first_step_host_s"):
+            assert _finite(row[key]) and row[key] > 0, key
+        assert row["median_step_ms"] / 1e3 <= row["max_iter_s"]
+        if name in OURS:  # on the CPU every step is eager, warm-up included
+            stats = row["graph"]
+            assert (stats["captures"], stats["replays"]) == (0, 0)
+            assert stats["eager_steps"] == WARMUP + ROUNDS * ITERS
+        else:
+            assert row["graph"] is None
+    # Every copy was built from the same seed and sees the same batches: one first loss.
+    assert len({row["losses"][0] for row in trained.values()}) == 1
+    # Offloaded state lives on the host, the 8-bit codes and scales in fewer bytes.
+    assert (
+        0
+        < rows["ours_offload_int8"]["host_state_gib"]
+        < rows["ours_offload_fp32"]["host_state_gib"]
+    )
+    table = stdout.split(f"\n{kind} (")[1].split("\n\n")[0]
+    for name in MODES:
+        assert f"| {name} " in table
