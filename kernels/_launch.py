@@ -71,6 +71,14 @@ def capturing(device: torch.device) -> bool:
     )
 
 
+# This thread is inside ``precompile.compiling_ahead``: its launches only compile (``.on``).
+AHEAD = threading.local()
+
+
+def launches_only_compile() -> bool:
+    return getattr(AHEAD, "on", False)
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("MUON_OFFLOAD_AUTOTUNE", "1") != "0" and not interpreted()
 
@@ -293,6 +301,11 @@ class Tuner:
             return configs[0]
         if capturing(device):
             raise CaptureMiss(f"{kernel} was not tuned for {key} before the capture")
+        if launches_only_compile():  # compile each candidate the tuning will time; decide nothing
+            for config in configs:
+                with contextlib.suppress(Exception):
+                    bench(config)
+            return configs[0]
         self._notice(name, path)
         timings, failures = [], []
         for config in configs:
@@ -338,6 +351,9 @@ def bench_ms(fn: Callable[[], None], reps: int = 20) -> float:
     """Median time of ``fn`` in milliseconds (CUDA events, after warm-up)."""
     import triton.testing
 
+    if launches_only_compile():  # the launches only compile: one each, nothing to time
+        fn()
+        return float("nan")
     return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
 
 

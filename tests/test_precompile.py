@@ -1,0 +1,179 @@
+"""Compiling a step's kernels ahead on a thread pool (kernels/precompile.py): when it is on,
+what a launch inside the block does, the pool's compiles, the tuner inside the block; and on a
+GPU, a fresh-cache first step whose kernels all compile on the pool, with the same results."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+from muon_offload.kernels import _launch, precompile
+
+triton = pytest.importorskip("triton")
+async_compile = pytest.importorskip("triton.runtime._async_compile")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
+
+
+def _kernel(x, n):  # a JITFunction made from it below (conftest makes @triton.jit interpreted)
+    pass
+
+
+@pytest.fixture
+def compiled_kind(monkeypatch):
+    """As on a GPU: not interpreted (the flag is read per call)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(precompile.ENV, raising=False)
+
+
+def test_on_only_for_cuda_compiled_kernels_and_unless_switched_off(monkeypatch, compiled_kind):
+    assert precompile.enabled(CUDA)
+    assert not precompile.enabled(torch.device("cpu"))
+    monkeypatch.setenv(precompile.ENV, "0")
+    assert not precompile.enabled(CUDA)
+    monkeypatch.setenv(precompile.ENV, "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not precompile.enabled(CUDA)
+
+
+def test_off_the_block_changes_nothing(monkeypatch):
+    before = JITFunction.run
+    with precompile.compiling_ahead(torch.device("cpu")) as ahead:
+        assert not ahead and not _launch.launches_only_compile()
+        assert JITFunction.run is before
+
+
+def test_launches_of_this_thread_only_compile_inside_the_block(monkeypatch, compiled_kind):
+    seen = []
+
+    def run(self, *args, grid, warmup, **kwargs):  # Triton's, as far as the flag goes
+        seen.append((threading.current_thread().name, warmup))
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    kernel = JITFunction(_kernel)
+    other = threading.Thread(target=lambda: kernel[(1,)](1, 2), name="other")
+    with precompile.compiling_ahead(CUDA) as ahead:
+        assert ahead and _launch.launches_only_compile()
+        kernel[(1,)](1, 2)
+        other.start()
+        other.join()
+    kernel[(1,)](1, 2)
+    main = threading.current_thread().name
+    assert seen == [(main, True), ("other", False), (main, False)]
+    assert JITFunction.run is run  # the wrapper is gone with the block
+    assert not _launch.launches_only_compile()
+
+
+def test_the_pool_compiles_in_parallel_and_the_block_waits_for_every_compile(
+    monkeypatch, compiled_kind
+):
+    """Fake compiles submitted as Triton's jit submits them: two must run at once (a barrier
+    of two), and each is finalized, on the caller's thread, before the block ends."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    barrier = threading.Barrier(2, timeout=30)
+    threads, finalized = set(), []
+
+    def compile_one(i):
+        threads.add(threading.current_thread().name)
+        barrier.wait()  # raises BrokenBarrierError when the compiles run one at a time
+        return f"binary {i}"
+
+    with precompile.compiling_ahead(CUDA):
+        mode = async_compile.active_mode.get()
+        for i in range(4):
+            mode.submit(i, lambda i=i: compile_one(i), finalized.append, lambda _: None)
+    assert sorted(finalized) == [f"binary {i}" for i in range(4)]
+    assert len(threads) >= 2 and all(t.startswith("muon-offload-compile") for t in threads)
+    assert async_compile.active_mode.get() is None
+
+
+def test_inside_the_block_the_tuner_compiles_every_candidate_and_decides_nothing(
+    monkeypatch, compiled_kind, tmp_path
+):
+    tuner = _launch.Tuner()
+    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
+    configs = (_launch.Config(block=64), _launch.Config(block=128))
+    benched = []
+
+    def bench(config):
+        return _launch.bench_ms(lambda: benched.append(config))  # one call, not timed
+
+    with precompile.compiling_ahead(CUDA):
+        got = tuner.choose("k", (1,), configs, configs[0], CUDA, bench)
+    assert got == configs[0] and benched == list(configs)
+    assert not tuner._chosen and not tuner._memory and not (tmp_path / "t.json").exists()
+
+
+_FIRST_STEP = textwrap.dedent(
+    """
+    import json, sys, threading, torch, triton.compiler
+    from muon_offload import Muon
+    from muon_offload.kernels import precompile
+    from triton.runtime.jit import JITFunction
+
+    compiles = []  # the thread of each Triton compile (a disk-cache hit counts too)
+    real = triton.compiler.compile
+    def compile(*args, **kwargs):
+        compiles.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+    triton.compiler.compile = compile
+
+    def model():
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(1000, 333), (17, 4097), (4, 64, 96), (512, 1024)]
+        mats = [torch.randn(s, generator=gen) for s in shapes]
+        rest = [torch.randn(s, generator=gen) for s in ((1000,), (333,))]
+        params = [torch.nn.Parameter(t.cuda()) for t in mats + rest]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).cuda()
+        groups = [dict(params=params[:4]), dict(params=params[4:], algorithm="adamw")]
+        return params, Muon(groups, lr=0.02)
+
+    params, opt = model()
+    if sys.argv[1] == "ahead":
+        scratch, scratch_opt = model()  # the same shapes and layouts: the same variants
+        with precompile.compiling_ahead(torch.device("cuda"), "test") as ahead:
+            assert ahead
+            scratch_opt.step()
+    ahead_compiles = list(compiles)
+    opt.step()
+    torch.cuda.synchronize()
+    print(json.dumps(dict(
+        ahead=ahead_compiles, after=compiles[len(ahead_compiles):],
+        params=[p.detach().cpu().double().flatten().tolist()[:4000] for p in params],
+    )))
+    """
+)
+
+
+def _first_step(mode: str, tmp_path) -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / f"triton-{mode}")
+    env["MUON_OFFLOAD_CACHE_DIR"] = str(tmp_path / f"tune-{mode}")
+    env["MUON_OFFLOAD_AUTOTUNE"] = "0"  # the same configs in both runs, none timed
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_STEP, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.cuda
+def test_a_fresh_cache_first_step_compiles_on_the_pool_with_the_same_results(tmp_path):
+    ahead = _first_step("ahead", tmp_path)
+    plain = _first_step("plain", tmp_path)
+    assert ahead["ahead"], "nothing was compiled ahead"
+    assert all(t.startswith("muon-offload-compile") for t in ahead["ahead"]), ahead["ahead"]
+    assert ahead["after"] == [], f"the step compiled {len(ahead['after'])} variants itself"
+    assert len(plain["after"]) == len(ahead["ahead"])  # the variants the step needs, no more
+    assert ahead["params"] == plain["params"]  # the same binaries: the same bits
