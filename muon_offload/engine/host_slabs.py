@@ -16,13 +16,18 @@ loads as one copy.
 State that is dropped (``del opt.state[p]``, a new ``opt.state``) leaves its bytes behind: once
 nothing holds a tensor's storage any more (a weak reference to it has expired), the next
 ``allocate`` reuses its range, and gives back a slab that then holds nothing. Bytes still held
-elsewhere (a state dict kept by the caller) are never reused.
+elsewhere (a state dict kept by the caller) are never reused. An owner's tensors (a parameter's
+state) made afresh go back into the bytes it left first: state dropped for some parameters is
+made in the order of a plan of those alone, and placed first-fit, a small tensor took the bytes
+a large one had left between chunks of the full plan, which then went to a new slab.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
+from collections.abc import Sequence
 from operator import itemgetter
 
 import torch
@@ -51,27 +56,41 @@ class HostSlabs:
         self._starts: list[tuple[int, int]] = []  # (address, index into slabs), sorted
         # For each slab, the tensors placed in it: (byte offset, bytes, their storage, weakly).
         self._placed: list[list[tuple[int, int, StorageWeakRef]]] = []
+        # Owner -> for each of its tensors, the addresses it has had, the earliest first.
+        self._homes: dict[object, list[list[int]]] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(s.numel() for s in self.slabs)
 
-    def allocate(self, specs: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
-        """Zeroed tensors of the given shapes and dtypes, as views into the slabs: each into
-        the free range the one before it went to while it fits there, else into the first
-        free range it fits in, else into new slabs."""
+    def allocate(
+        self, specs: list[tuple[torch.Size, torch.dtype]], owners: Sequence | None = None
+    ) -> list[Tensor]:
+        """Zeroed tensors of the given shapes and dtypes, as views into the slabs. ``owners``:
+        each one's owner (hashable); an owner's k-th tensor goes back to the earliest place
+        its k-th tensor has had whose bytes are free. The others go each into the free range
+        the one before it went to while it fits there, else into the first free range it fits
+        in, else into new slabs."""
         sizes = [align_up(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs]
         free = self._free_ranges()
-        places: list[tuple[int, int] | None] = []  # (slab index, byte offset); None: new slab
+        # (slab index, byte offset); None: not placed yet, then a new slab.
+        places: list[tuple[int, int] | None] = [None] * len(sizes)
+        homes = self._home_addresses(owners, len(sizes))
+        for i, addresses in enumerate(homes):
+            for addr in addresses if sizes[i] else ():
+                places[i] = self._claim(free, addr, sizes[i])
+                if places[i] is not None:
+                    break
         at = None  # the free range being filled
-        for size in sizes:
+        for i, size in enumerate(sizes):
+            if places[i] is not None:
+                continue
             if at is None or free[at][2] - free[at][1] < size:
-                at = next((i for i, (_, lo, hi) in enumerate(free) if hi - lo >= size), None)
+                at = next((j for j, (_, lo, hi) in enumerate(free) if hi - lo >= size), None)
             if at is None:
-                places.append(None)
                 continue
             slab, lo, hi = free[at]
-            places.append((slab, lo))
+            places[i] = (slab, lo)
             free[at] = (slab, lo + size, hi)
         # Lay the rest out in order, opening a new slab when the next one does not fit.
         slab_sizes: list[int] = []
@@ -96,7 +115,53 @@ class HostSlabs:
             tensors.append(t)
         self._give_back_empty()
         self._starts = sorted((slab.data_ptr(), i) for i, slab in enumerate(self.slabs))
+        if owners is not None:
+            self._keep_homes(owners, homes, tensors)
         return tensors
+
+    def _keep_homes(self, owners: Sequence, homes: list, tensors: list[Tensor]) -> None:
+        """Each owner's places: those it had that still lie in a slab, and the new ones."""
+        kept: dict[object, list[list[int]]] = {}
+        for owner, had, t in zip(owners, homes, tensors, strict=True):
+            places = [a for a in had if self._inside(a)]
+            if t.data_ptr() not in places:
+                places.append(t.data_ptr())
+            kept.setdefault(owner, []).append(places)
+        self._homes.update(kept)
+
+    def _inside(self, addr: int) -> bool:
+        k = bisect.bisect_right(self._starts, (addr, len(self.slabs))) - 1
+        return k >= 0 and addr < self._starts[k][0] + self.slabs[self._starts[k][1]].numel()
+
+    def _home_addresses(self, owners: Sequence | None, count: int) -> list[list[int]]:
+        """For each tensor asked for, the places its owner's tensor of the same rank has had,
+        the earliest first (none without an owner)."""
+        if owners is None:
+            return [[] for _ in range(count)]
+        seen: dict[object, int] = {}
+        addresses = []
+        for owner in owners:
+            k = seen[owner] = seen.get(owner, -1) + 1
+            home = self._homes.get(owner, ())
+            addresses.append(home[k] if k < len(home) else [])
+        return addresses
+
+    def _claim(self, free: list, addr: int, size: int) -> tuple[int, int] | None:
+        """Take ``size`` bytes at ``addr`` out of ``free`` (sorted (slab index, first byte,
+        end) ranges) if they lie in one: (slab index, byte offset); else None."""
+        k = bisect.bisect_right(self._starts, (addr, len(self.slabs))) - 1
+        if k < 0:
+            return None
+        slab = self._starts[k][1]
+        offset = addr - self._starts[k][0]
+        j = bisect.bisect_right(free, (slab, offset, math.inf)) - 1
+        if j < 0 or free[j][0] != slab or offset + size > free[j][2]:
+            return None
+        _, lo, hi = free[j]
+        free[j : j + 1] = [
+            r for r in ((slab, lo, offset), (slab, offset + size, hi)) if r[1] < r[2]
+        ]
+        return slab, offset
 
     def _free_ranges(self) -> list[tuple[int, int, int]]:
         """(slab index, first byte, end) of every range no live tensor holds, in address order

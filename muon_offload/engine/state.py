@@ -111,7 +111,9 @@ class StateStore:
         if self.host is None:
             self.host = HostSlabs(pin=local(streamed[0].param).is_cuda)
         specs = [(shape, dtype) for e in streamed for _, shape, dtype in e.specs]
-        tensors = iter(self.host.allocate(specs))
+        # State dropped and made afresh goes back into the bytes it left (``HostSlabs``).
+        owners = [e.param for e in streamed for _ in e.specs]
+        tensors = iter(self.host.allocate(specs, owners))
         for e in streamed:
             state[e.param].update(
                 {name: like_param(next(tensors), e.param, name) for name, _, _ in e.specs}
