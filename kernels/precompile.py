@@ -1,17 +1,17 @@
 """Compiling the kernels a step will launch ahead of it, on a pool of threads.
 
 A first step on a fresh machine is bound by Triton compiling its kernel variants one at a
-time (seconds each, some twenty of them for a mixture-of-experts model). Within
-``compiling_ahead(device)``, every Triton launch of this thread only compiles (Triton's
-``warmup``: nothing runs on the GPU), each compile submitted to a pool of threads through
-Triton's ``AsyncCompileMode``; leaving the block waits for them all. The launches that follow
-find their binaries in Triton's caches (in memory and on disk): Triton's own compile builds
-them from the same source, signature and options, so they are the same binaries.
+time (seconds each, twenty for a mixture-of-experts model). Within ``compiling_ahead(device)``,
+every Triton launch of this thread only compiles (Triton's ``warmup``: nothing runs on the
+GPU), each compile submitted through Triton's ``AsyncCompileMode``; leaving the block waits
+for them all. The launches that follow find their binaries in Triton's in-memory cache.
 
-Threads, not processes: Triton's compile spends its time in MLIR and LLVM passes and in
-``ptxas``, outside the GIL (two threads compiled four kernels in 0.55x the time of one on a
-two-core machine, triton 3.9), and a thread needs no pickling of kernels nor a fresh CUDA
-context.
+Each compile runs first in one of ``os.cpu_count()`` worker processes (``_compile_worker.py``:
+fresh interpreters, no CUDA context), which writes the binary into Triton's disk cache; then
+Triton's own compile runs here, on a thread, and finds it there: the same source, signature,
+options and environment, so the same cache key and the same binary. Processes, not threads:
+triton 3.6's compile holds the GIL (eight variants took as long on two threads as on one;
+triton 3.9 releases it in part: 0.74 of the time).
 
 The launches inside the block must go to scratch tensors with the shapes, dtypes, strides and
 alignment of the step's (the variant is read off them): their results are garbage. Only on
@@ -24,9 +24,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
+import queue
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
@@ -91,6 +95,105 @@ def _uninstall() -> None:
             _PATCHED[1] = None
 
 
+WORKER = (sys.executable, "-m", "muon_offload.kernels._compile_worker")
+
+
+def _job(compile_fn: Callable) -> tuple | None:
+    """The picklable job of one of Triton's compile closures (``JITFunction._do_compile``'s
+    ``async_compile``: its ``src``, ``target`` and ``options``), or None where the closure
+    is not one (another Triton) or the job does not pickle: that one compiles here."""
+    names = getattr(getattr(compile_fn, "__code__", None), "co_freevars", ())
+    cells = getattr(compile_fn, "__closure__", None) or ()
+    try:
+        found = {n: c.cell_contents for n, c in zip(names, cells, strict=True)}
+        src, target, options = found["src"], found["target"], found["options"]
+        kernel = src.fn.fn  # the Python function of the JITFunction
+        job = (
+            kernel.__module__,
+            kernel.__name__,
+            src.signature,
+            src.constants,
+            src.attrs,
+            target,
+            dict(options.__dict__),
+        )
+        pickle.dumps(job)
+    except Exception:  # noqa: BLE001 (any shape of closure: compile in this process)
+        return None
+    return job
+
+
+class Workers:
+    """``count`` worker processes (``_compile_worker.py``), each fed one job at a time by a
+    thread of its own; each starts when its thread does, so they start in parallel."""
+
+    def __init__(self, count: int, command: tuple = WORKER) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._command = command
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"muon-offload-compile-{i}", daemon=True)
+            for i in range(count)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job: tuple) -> Future:
+        future: Future = Future()
+        self._jobs.put((job, future))
+        return future
+
+    def _serve(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        proc = None
+        while (item := self._jobs.get()) is not None:
+            job, future = item
+            try:
+                if proc is None:
+                    pipe = subprocess.PIPE
+                    proc = subprocess.Popen(self._command, stdin=pipe, stdout=pipe, env=env)
+                pickle.dump(job, proc.stdin)
+                proc.stdin.flush()
+                future.set_result(pickle.load(proc.stdout))
+            except Exception as err:  # noqa: BLE001 (a dead worker: the launch compiles it)
+                future.set_result(f"{type(err).__name__}: {err}")
+                proc = None
+        if proc is not None:
+            proc.stdin.close()
+            proc.wait()
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for thread in self._threads:
+            thread.join()
+
+
+class CompileExecutor(Executor):
+    """What ``AsyncCompileMode`` submits Triton's compile closures to: each compile runs in a
+    worker process first (Triton's compile holds the GIL in triton 3.6, so threads alone
+    compile one at a time), then the closure runs on a thread here and finds the binary in
+    the disk cache; a closure without a job runs on the thread as it is."""
+
+    def __init__(self, count: int, command: tuple = WORKER) -> None:
+        self.workers = Workers(count, command)
+        self._threads = ThreadPoolExecutor(count, thread_name_prefix="muon-offload-load")
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        job = _job(fn) if not (args or kwargs) else None
+        ahead = None if job is None else self.workers.submit(job)
+        return self._threads.submit(_after, ahead, fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, **kwargs) -> None:
+        self._threads.shutdown(wait)
+        self.workers.close()
+
+
+def _after(ahead: Future | None, fn: Callable, *args, **kwargs):
+    if ahead is not None:
+        ahead.result()  # its error, if any, comes again from fn: the compile that counts
+    return fn(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def compiling_ahead(device: torch.device, what: str = "kernels") -> Iterator[bool]:
     """Within the block, this thread's Triton launches compile on a thread pool instead of
@@ -100,11 +203,11 @@ def compiling_ahead(device: torch.device, what: str = "kernels") -> Iterator[boo
         yield False
         return
     count = workers()
-    _LOG.info("muon-offload: compiling the %s of this step ahead on %d threads", what, count)
+    _LOG.info("muon-offload: compiling the %s of this step ahead in %d processes", what, count)
     mode = _async_mode()
     _install()
     try:
-        pool = ThreadPoolExecutor(count, thread_name_prefix="muon-offload-compile")
+        pool = CompileExecutor(count)
         try:  # a config that fails to compile is the tuner's to skip, at its launch
             ahead = mode(pool, ignore_errors=True)
         except TypeError:  # a Triton whose mode has no such option

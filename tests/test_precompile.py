@@ -91,7 +91,7 @@ def test_the_pool_compiles_in_parallel_and_the_block_waits_for_every_compile(
         for i in range(4):
             mode.submit(i, lambda i=i: compile_one(i), finalized.append, *cleanup)
     assert sorted(finalized) == [f"binary {i}" for i in range(4)]
-    assert len(threads) >= 2 and all(t.startswith("muon-offload-compile") for t in threads)
+    assert len(threads) >= 2 and all(t.startswith("muon-offload-load") for t in threads)
     assert async_compile.active_mode.get() is None
 
 
@@ -112,6 +112,65 @@ def test_inside_the_block_the_tuner_compiles_every_candidate_and_decides_nothing
     assert not tuner._chosen and not tuner._memory and not (tmp_path / "t.json").exists()
 
 
+_WORKER_ROUND_TRIP = textwrap.dedent(
+    """
+    import json, os, sys, triton
+    from pathlib import Path
+    from muon_offload.kernels import precompile, sumsq
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    cache = Path(os.environ["TRITON_CACHE_DIR"])
+    target = GPUTarget("cuda", 90, 32)
+    options = make_backend(target).parse_options({"num_warps": 4, "enable_fp_fusion": False})
+    signature = {"partial": "*fp32", "out": "*fp32", "groups": "i32"}
+    signature |= {"LANES": "constexpr", "LOG2_LANES": "constexpr"}
+    src = ASTSource(sumsq._sum_rows_kernel, signature, {"LANES": 1024, "LOG2_LANES": 10}, {})
+
+    def closure(src, target, options):  # as Triton's jit makes it: these names, closed over
+        def async_compile():
+            return triton.compile(src, target=target, options=options.__dict__)
+        return async_compile
+
+    async_compile = closure(src, target, options)
+    job = precompile._job(async_compile)
+    workers = precompile.Workers(1)
+    try:
+        reply = workers.submit(job).result(timeout=300)
+    finally:
+        workers.close()
+    written = sorted(p.name for p in cache.iterdir())
+    compiled = async_compile()
+    print(json.dumps(dict(
+        job=list(job[:2]), reply=reply, written=written,
+        after=sorted(p.name for p in cache.iterdir()), ptx="ld.global" in compiled.asm["ptx"],
+    )))
+    """
+)
+
+
+def test_a_worker_compiles_into_the_disk_cache_that_tritons_compile_then_hits(tmp_path):
+    """A real variant for sm_90 (no GPU needed), compiled-kind (in a process without the
+    interpreter): Triton's compile closure, as its jit makes it, gives its job to a worker
+    process, whose binary the closure then finds in the disk cache."""
+    pytest.importorskip("triton.backends.nvidia", reason="needs triton's CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER_ROUND_TRIP],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["job"] == ["muon_offload.kernels.sumsq", "_sum_rows_kernel"]
+    assert got["reply"] is None and got["written"], got
+    assert got["after"] == got["written"]  # Triton's own compile was a hit: nothing new
+    assert got["ptx"]
+
+
 _FIRST_STEP = textwrap.dedent(
     """
     import json, sys, threading, torch, triton.compiler
@@ -125,6 +184,9 @@ _FIRST_STEP = textwrap.dedent(
         compiles.append(threading.current_thread().name)
         return real(*args, **kwargs)
     triton.compiler.compile = compile
+    jobs = []  # what went to the worker processes
+    submit = precompile.Workers.submit
+    precompile.Workers.submit = lambda self, job: jobs.append(job[1]) or submit(self, job)
 
     def model():
         gen = torch.Generator().manual_seed(0)
@@ -147,7 +209,7 @@ _FIRST_STEP = textwrap.dedent(
     opt.step()
     torch.cuda.synchronize()
     print(json.dumps(dict(
-        ahead=ahead_compiles, after=compiles[len(ahead_compiles):],
+        ahead=ahead_compiles, after=compiles[len(ahead_compiles):], jobs=jobs,
         params=[p.detach().cpu().double().flatten().tolist()[:4000] for p in params],
     )))
     """
@@ -176,7 +238,9 @@ def test_a_fresh_cache_first_step_compiles_on_the_pool_with_the_same_results(tmp
     ahead = _first_step("ahead", tmp_path)
     plain = _first_step("plain", tmp_path)
     assert ahead["ahead"], "nothing was compiled ahead"
-    assert all(t.startswith("muon-offload-compile") for t in ahead["ahead"]), ahead["ahead"]
+    # Triton's own compile ran on the executor's threads (a disk-cache hit after the worker's)
+    assert all(t.startswith("muon-offload-load") for t in ahead["ahead"]), ahead["ahead"]
+    assert len(ahead["jobs"]) == len(ahead["ahead"])  # each compiled in a worker process
     assert ahead["after"] == [], f"the step compiled {len(ahead['after'])} variants itself"
     assert len(plain["after"]) == len(ahead["ahead"])  # the variants the step needs, no more
     assert ahead["params"] == plain["params"]  # the same binaries: the same bits
