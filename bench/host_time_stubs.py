@@ -8,13 +8,14 @@ import contextlib
 
 import torch
 
-from muon_offload.engine import dispatch, graphs
+from muon_offload import elementwise, muon_launch
+from muon_offload.engine import graphs
 
 
 @contextlib.contextmanager
 def stubbed_kernels():
-    """The update functions of ``engine/dispatch.py`` replaced by ones that compute nothing:
-    what is left of a step is the engine's host time."""
+    """The launchers (``muon_launch.py``, ``elementwise.py``) replaced by ones that compute
+    nothing: what is left of a step is the engine's host time."""
 
     def prep(backend, momentums, grads, *args, **kwargs):
         m = momentums[0]
@@ -25,24 +26,26 @@ def stubbed_kernels():
         return None
 
     stubs = {
-        "adamw_": nothing,
-        "lion_": nothing,
-        "adamw8_": nothing,
-        "lion8_": nothing,
-        "muon_apply_": nothing,
-        "muon_prep": prep,
-        "muon_prep8": lambda backend, codes, scales, grads, **kw: prep(backend, codes, grads),
-        "orthogonalize_batch": lambda update, sumsq, **kwargs: update,
-        "orthogonalize_apply_": nothing,
+        (elementwise, "adamw_"): nothing,
+        (elementwise, "lion_"): nothing,
+        (elementwise, "adamw8_"): nothing,
+        (elementwise, "lion8_"): nothing,
+        (muon_launch, "muon_apply_"): nothing,
+        (muon_launch, "muon_prep"): prep,
+        (muon_launch, "muon_prep8"): lambda backend, codes, scales, grads, **kw: prep(
+            backend, codes, grads
+        ),
+        (muon_launch, "orthogonalize_batch"): lambda update, sumsq, **kwargs: update,
+        (muon_launch, "orthogonalize_apply_"): nothing,
     }
-    saved = {name: getattr(dispatch, name) for name in stubs}
-    for name, fn in stubs.items():
-        setattr(dispatch, name, fn)
+    saved = {(module, name): getattr(module, name) for module, name in stubs}
+    for (module, name), fn in stubs.items():
+        setattr(module, name, fn)
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(dispatch, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
 
 
 class _NoGraph:

@@ -19,7 +19,7 @@ from muon_offload.kernels.orthogonalize import orthogonalize_apply_, orthogonali
 from muon_offload.kernels.poly_apply import poly_apply
 from muon_offload.kernels.poly_apply_tma import apply_kernel_args
 
-from muon_offload.engine import dispatch
+from muon_offload import muon_launch
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 METHODS = ("polar_express", "newton_schulz5", "gram_newton_schulz")
@@ -296,20 +296,20 @@ def test_muon_takes_the_fused_call_for_local_units(backend, monkeypatch):
             opt.step()
         return [p.detach() for p in (*params, split)]
 
-    real = dispatch.orthogonalize_apply_
+    real = muon_launch.orthogonalize_apply_
     calls = []
 
     def unfused(backend, params, update, sumsq, *, method, eps, scalars=None, **hyper):
-        ortho = dispatch.orthogonalize_batch(update, sumsq, method=method, eps=eps)
-        dispatch.muon_apply_(backend, params, ortho, scalars=scalars, **hyper)
+        ortho = muon_launch.orthogonalize_batch(update, sumsq, method=method, eps=eps)
+        muon_launch.muon_apply_(backend, params, ortho, scalars=scalars, **hyper)
 
     def counting(*args, **kwargs):
         calls.append(len(args[1]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dispatch, "orthogonalize_apply_", unfused)
+    monkeypatch.setattr(muon_launch, "orthogonalize_apply_", unfused)
     want = run()
-    monkeypatch.setattr(dispatch, "orthogonalize_apply_", counting)
+    monkeypatch.setattr(muon_launch, "orthogonalize_apply_", counting)
     got = run()
     assert sorted(calls) == [1, 1, 2, 2]  # a 24x40 unit and a 40x24 one, two steps
     for g, w in zip(got, want, strict=True):
@@ -417,10 +417,10 @@ def test_muon_step_fused_equals_unfused_cuda(method, monkeypatch):
     got = run()
 
     def unfused(backend, params, update, sumsq, *, method, eps, scalars=None, **hyper):
-        ortho = dispatch.orthogonalize_batch(update, sumsq, method=method, eps=eps)
-        dispatch.muon_apply_(backend, params, ortho, scalars=scalars, **hyper)
+        ortho = muon_launch.orthogonalize_batch(update, sumsq, method=method, eps=eps)
+        muon_launch.muon_apply_(backend, params, ortho, scalars=scalars, **hyper)
 
-    monkeypatch.setattr(dispatch, "orthogonalize_apply_", unfused)
+    monkeypatch.setattr(muon_launch, "orthogonalize_apply_", unfused)
     want = run()
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)

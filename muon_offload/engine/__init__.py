@@ -10,7 +10,8 @@
 - ``introspect.py``: the small surface tools read (host bytes, staging, timeline).
 - ``checkpoint.py``: ``load_state_dict``'s checks and copies.
 - ``interrupt.py``: what a step stopped by an exception updated (``StepInterrupted``).
-- ``dispatch.py``: the fused Triton kernels on CUDA, their torch references elsewhere.
+- ``algorithm.py``: what the engine asks of an algorithm (its update, scalars, budget rule,
+  backends); each algorithm's launchers live beside it (``muon_launch.py``, ``elementwise.py``).
 """
 
 from .optimizer import ChunkedOptimizer

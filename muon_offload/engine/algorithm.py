@@ -7,14 +7,38 @@ the math of one unit, as dion's ``muon.py`` supplies its tasks over ``megabatch_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from ..distributed import Mesh
 from ..hyper import Hyper
 from ..kernels._grad_index import GradIndex
+
+# ``backend``: where the launches run. "auto": the Triton kernels for CUDA tensors, the torch
+# references elsewhere; "triton": the kernels everywhere (on the CPU under the Triton
+# interpreter); "torch": the references everywhere.
+BACKENDS = ("auto", "triton", "torch")
+
+
+def runs_triton(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` launches the Triton kernels for tensors on ``device``."""
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+
+def common_backends(algorithms: Iterable[Algorithm]) -> tuple[str, ...]:
+    """The ``backend`` settings that every one of ``algorithms`` takes."""
+    algorithms = list(algorithms)
+    first = algorithms[0].backends if algorithms else BACKENDS
+    return tuple(b for b in first if all(b in a.backends for a in algorithms))
+
+
+def reads_tables(algorithms: Iterable[Algorithm], backend: str, device: torch.device) -> bool:
+    """Whether a step on ``device`` needs the scalar and gradient tables: some algorithm's
+    launches read them (``Algorithm.reads_tables``)."""
+    return any(a.reads_tables(backend, device) for a in algorithms)
 
 
 @dataclass(frozen=True)
@@ -63,6 +87,8 @@ class Algorithm:
 
     # What each state key holds, for 8-bit state's code map (kernels/quant_maps.py).
     state_kinds: tuple[str, ...] = ()
+    # The ``backend`` settings its launchers take (checked at construction: settings.py).
+    backends: tuple[str, ...] = BACKENDS
 
     def __init__(self, state_keys: tuple[str, ...]):
         self.state_keys = tuple(state_keys)
@@ -82,6 +108,19 @@ class Algorithm:
         in that order: the rows of ``UnitJob.grad_index``. One, the whole item, unless the
         algorithm cuts it (Muon: a stack into matrices)."""
         return (0,)
+
+    def reads_tables(self, backend: str, device: torch.device) -> bool:
+        """Whether its launches on ``device`` read the step's scalar and gradient tables
+        (``UnitJob.scalars``, ``UnitJob.grad_index``): the Triton kernels do; the torch
+        references take Python numbers and the gradients as tensors."""
+        return runs_triton(backend, device)
+
+    def budget_bytes(self, state_bytes: int, numel: int, mesh_size: int) -> int:
+        """What a parameter counts against ``chunk_bytes`` / ``resident_chunk_bytes``, from its
+        state bytes (over the mesh for a DTensor), its global element count and its mesh's
+        size (1 for a plain tensor): the state bytes themselves, unless the algorithm's work
+        on the GPU outgrows its state."""
+        return state_bytes
 
     def baked(self, hyper: Hyper) -> tuple:
         """What of a group's settings the launches take as constants (compile-time flags, host

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import dispatch
+from .algorithm import reads_tables
 from .chunks import ChunkLayout
 from .host_ring import HostRing
 
@@ -53,10 +53,13 @@ def _rows(layouts: Sequence[ChunkLayout]):
     return rows, unit_rows
 
 
-def scalar_table(table: ScalarTable | None, backend: str, device) -> ScalarTable | None:
-    """The table a step on ``device`` uses (``table`` when it fits): None on the torch path,
-    whose references take Python numbers."""
-    if not dispatch.uses_triton(backend, device):
+def scalar_table(
+    table: ScalarTable | None, algorithms: dict, backend: str, device
+) -> ScalarTable | None:
+    """The table a step on ``device`` uses (``table`` when it fits): None where none of
+    ``algorithms`` (by name) reads it there (``Algorithm.reads_tables``: the torch path,
+    whose references take Python numbers)."""
+    if not reads_tables(algorithms.values(), backend, device):
         return None
     return table if table is not None and table.device == device else ScalarTable(device)
 

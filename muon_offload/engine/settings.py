@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import dispatch
+from .algorithm import BACKENDS
 
 # The fastest offloaded step for fp32 state in the chunk-size sweep on the H200, within 1% of
 # the best for bf16 (docs/benchmarks.md, "Choosing chunk_bytes").
@@ -57,7 +58,10 @@ class Settings:
         state_dtype,
         backend,
         cuda_graph="auto",
+        backends: Sequence[str] = BACKENDS,
     ) -> Settings:
+        """``backends``: the ``backend`` settings every algorithm's launchers take
+        (``algorithm.common_backends``)."""
         # "no" or 0.0 would read as a truth value; say what is wanted instead.
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be True or False, got {offload!r}")
@@ -76,8 +80,8 @@ class Settings:
                 "state_dtype must be None, torch.float32, torch.bfloat16 or torch.int8, got "
                 f"{state_dtype!r}"
             )
-        if backend not in dispatch.BACKENDS:
-            raise ValueError(f"backend must be one of {dispatch.BACKENDS}, got {backend!r}")
+        if backend not in backends:
+            raise ValueError(f"backend must be one of {tuple(backends)}, got {backend!r}")
         return cls(
             offload=offload,
             chunk_bytes=chunk_bytes,
