@@ -10,9 +10,10 @@ device before the step's launches, once a step, as the scalar table (``scalars.p
 graph's key then holds what the graph bakes of the gradients (their dtypes and 16-byte
 alignment, which parameters have one), not their addresses.
 
-Rows, per plan: for each unit in plan order, for each of its items (parameter, or element-wise
-segment), each piece that a kernel reads (``Algorithm.grad_pieces``: a Muon stack's matrices)
-at its parameter's gradient's data pointer plus the piece's byte offset.
+Rows, per plan: for each unit in plan order, for each of its items (parameter, element-wise
+segment, or some matrices of a stack), each piece that a kernel reads
+(``Algorithm.grad_pieces``: a Muon stack's matrices) at its parameter's gradient's data pointer
+plus the piece's byte offset.
 
 A step whose gradients are not all plain contiguous tensors (a DTensor, a transposed gradient
 that the step copies afresh) gets no table: the launchers read those gradients' own addresses
@@ -30,17 +31,16 @@ from torch import Tensor
 from ..hyper import StepWork
 from ..kernels._grad_index import GradIndex
 from ..kernels._launch import ALIGN_BYTES
-from .algorithm import reads_tables
+from . import dispatch
 from .chunks import ChunkLayout
 from .host_ring import HostRing
-from .planner import unit_params
+from .planner import Matrices, unit_params
 
 
-def grad_table(table: GradTable | None, algorithms: dict, backend: str, device) -> GradTable | None:
-    """The table a step on ``device`` uses (``table`` when it fits): None where none of
-    ``algorithms`` (by name) reads it there (``Algorithm.reads_tables``: the torch path,
-    whose references take the gradients as tensors)."""
-    if not reads_tables(algorithms.values(), backend, device):
+def grad_table(table: GradTable | None, backend: str, device) -> GradTable | None:
+    """The table a step on ``device`` uses (``table`` when it fits): None on the torch path,
+    whose references take the gradients as tensors."""
+    if not dispatch.uses_triton(backend, device):
         return None
     return table if table is not None and table.device == device else GradTable(device)
 
@@ -100,8 +100,8 @@ class GradTable:
                 hyper = hypers[u.unit.group]
                 for pos, p, span in zip(unit_params(u.unit), u.params, u.spans, strict=True):
                     size = work.grad_dtypes[pos].itemsize
-                    first = 0 if span is None else span.start
-                    for piece in u.algorithm.grad_pieces(hyper, tuple(p.shape)):
+                    first, shape = _item(span, tuple(p.shape))
+                    for piece in u.algorithm.grad_pieces(hyper, shape):
                         params.append(pos)
                         offsets.append((first + piece) * size)
                 spans.append((start, len(params)))
@@ -119,3 +119,12 @@ class GradTable:
         self._param = np.array(params, dtype=np.int64)
         self._offset = np.array(offsets, dtype=np.int64)
         self._layouts, self._grad_dtypes = layouts, work.grad_dtypes
+
+
+def _item(span, shape: tuple) -> tuple[int, tuple]:
+    """An item's first element in its parameter's gradient, and the shape its pieces are cut
+    from: the parameter's, or a stack piece's ``(matrices, rows, cols)``."""
+    if isinstance(span, Matrices):
+        rows, cols = shape[-2:]
+        return span.start * rows * cols, (span.stop - span.start, rows, cols)
+    return (0 if span is None else span.start), shape
