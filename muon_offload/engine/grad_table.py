@@ -31,16 +31,17 @@ from torch import Tensor
 from ..hyper import StepWork
 from ..kernels._grad_index import GradIndex
 from ..kernels._launch import ALIGN_BYTES
-from . import dispatch
+from .algorithm import reads_tables
 from .chunks import ChunkLayout
 from .host_ring import HostRing
 from .planner import Matrices, unit_params
 
 
-def grad_table(table: GradTable | None, backend: str, device) -> GradTable | None:
-    """The table a step on ``device`` uses (``table`` when it fits): None on the torch path,
-    whose references take the gradients as tensors."""
-    if not dispatch.uses_triton(backend, device):
+def grad_table(table: GradTable | None, algorithms: dict, backend: str, device) -> GradTable | None:
+    """The table a step on ``device`` uses (``table`` when it fits): None where none of
+    ``algorithms`` (by name) reads it there (``Algorithm.reads_tables``: the torch path,
+    whose references take the gradients as tensors)."""
+    if not reads_tables(algorithms.values(), backend, device):
         return None
     return table if table is not None and table.device == device else GradTable(device)
 

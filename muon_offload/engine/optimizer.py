@@ -44,7 +44,7 @@ from ..hyper import (
 )
 from ..rank_agreement import StepAgreements
 from . import graphs
-from .algorithm import Algorithm
+from .algorithm import Algorithm, common_backends
 from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk, write_back
 from .grad_table import GradTable, grad_table
@@ -118,6 +118,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             state_dtype=state_dtype,
             backend=backend,
             cuda_graph=cuda_graph,
+            backends=common_backends(self.algorithms.values()),
         )
         mesh = resolve_mesh(distributed_mesh)
         graphs.check_settings(settings, mesh.group)
@@ -318,9 +319,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self._scheduler.timeline = self._timeline_marks
         steps = [g["step"] + 1 for g in self.param_groups]
         # The kernels' scalars (this step's counts) on the device, before the counts advance.
-        self._scalars = scalar_table(self._scalars, self.backend, device)
+        self._scalars = scalar_table(self._scalars, self.algorithms, self.backend, device)
         rows = self._scalars and self._scalars.write(layouts, hypers, steps, counts)
-        self._grad_table = grad_table(self._grad_table, self.backend, device)
+        self._grad_table = grad_table(self._grad_table, self.algorithms, self.backend, device)
         grad_rows = self._grad_table and self._grad_table.write(layouts, hypers, work)
         for group in self.param_groups:
             group["step"] += 1

@@ -160,19 +160,12 @@ class StateMixin:
         return -(-total // param.device_mesh.size())
 
     def _budget_bytes(self, param: Tensor, hyper: Hyper) -> int:
-        """What ``param`` counts against ``chunk_bytes`` / ``resident_chunk_bytes``: its state
-        bytes, except that Muon state narrower than fp32 counts as fp32. A Muon chunk's work
-        on the GPU (the bf16 update, the Gram products) grows with its matrices, not with the
-        state's width: counted in 8-bit bytes, a chunk held 4 x the matrices of an fp32 one
-        and the step added 1.55 instead of 0.67 GiB (H200, 8 qwen3 layers, 2026-12-01).
-        Element-wise state has no work buffers: it counts its own bytes."""
-        nbytes = self._plan_bytes(param, hyper)
-        if self.algorithms[hyper.algorithm].elementwise:
-            return nbytes
-        nkeys = len(self._state_keys(hyper.algorithm))
-        numel = param.numel()  # global: the same on every rank, as _plan_bytes
+        """What ``param`` counts against ``chunk_bytes`` / ``resident_chunk_bytes``: its
+        algorithm's rule (``Algorithm.budget_bytes``) on its state bytes, with the global
+        element count and the mesh size, so that every rank counts the same."""
         mesh = param.device_mesh.size() if isinstance(param, DTensor) else 1
-        return max(nbytes, -(-(nkeys * numel * 4) // mesh))
+        algorithm = self.algorithms[hyper.algorithm]
+        return algorithm.budget_bytes(self._plan_bytes(param, hyper), param.numel(), mesh)
 
     def _matrix_count(self, gi: int, shape: torch.Size) -> int:
         """How many matrices of ``shape`` a parameter of group ``gi`` holds for its state (8-bit
