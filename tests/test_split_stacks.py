@@ -6,7 +6,7 @@ import pytest
 import torch
 from _mixed_runs import assert_bitwise, mixed_run
 
-from muon_offload import Muon
+from muon_offload import Muon, StepInterrupted
 
 # Muon: a stack of 7 matrices of 33 x 65 (8,580 bytes of fp32 momentum each), a 4-D stack of
 # 6, a matrix; AdamW: a vector of 4,099 (over 4,096: 8-bit state) and a 70 x 90 matrix; Lion.
@@ -112,3 +112,31 @@ def test_cut_stack_through_the_kernels_equals_resident_bitwise():
     assert _stack_pieces(cut[1]) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     assert cut[1]._grad_table is not None and cut[1]._grad_table.misaligned is not None
     assert_bitwise(cut, resident)
+
+
+def test_step_stopped_between_a_stacks_pieces_names_it_partial(monkeypatch):
+    """A step stopped (in an AdamW or Lion chunk, run between the Muon ones) after the first
+    piece of a cut stack: those matrices keep their update, the rest their weights as before,
+    and the stack is named as updated in part."""
+    params, opt = _run(None, steps=1, offload=True, chunk_bytes=20_000)
+    before = params[0].detach().clone()
+    pieces = []
+    for name, algorithm in opt.algorithms.items():
+
+        def update(job, algorithm=algorithm, muon=name == "muon"):
+            if muon:
+                pieces.append(job.params[0].shape)
+            elif pieces:
+                raise RuntimeError("stop")
+            return type(algorithm).update(algorithm, job)
+
+        monkeypatch.setattr(algorithm, "update", update)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(StepInterrupted) as info:
+        opt.step()
+    assert pieces == [(2, 33, 65)]  # the stack's first piece, then the AdamW / Lion chunk
+    assert any(p is params[0] for p in info.value.partial), str(info.value)
+    assert "cut across chunks" in str(info.value)
+    assert not torch.equal(params[0][:2], before[:2])
+    assert torch.equal(params[0][2:], before[2:])

@@ -25,9 +25,9 @@ from .planner import unit_params
 class StepInterrupted(RuntimeError):
     """``step()`` stopped part-way. ``updated`` lists the parameters whose update (weights
     and state) was applied, ``not_updated`` those left exactly as before the step,
-    ``partial`` element-wise parameters split across chunks and updated in part (each element
-    consistently), ``torn`` parameters whose unit stopped part-way: weights or state may be
-    partly updated."""
+    ``partial`` parameters cut across chunks (element-wise ones, Muon stacks) and updated in
+    part (each element, each matrix, consistently), ``torn`` parameters whose unit stopped
+    part-way: weights or state may be partly updated."""
 
     def __init__(
         self,
@@ -66,7 +66,7 @@ def interrupted(
                 pending.update(unit_params(unit))
     pending -= torn
     updated -= torn
-    partial = updated & pending  # element-wise parameters split across chunks
+    partial = updated & pending  # parameters cut across chunks (element-wise, Muon stacks)
     updated -= partial
     pending -= partial
     # A torn unit alone does not count: it may not have touched anything (the common case
@@ -87,9 +87,9 @@ def interrupted(
     )
     if partial:
         message += (
-            f" {len(partial)} element-wise parameters split across chunks (shapes "
-            f"{shapes(partial)[:6]}) were updated in part: each element's weight and state "
-            "are together either updated or as before."
+            f" {len(partial)} parameters cut across chunks (shapes {shapes(partial)[:6]}) "
+            "were updated in part: each element's (a Muon stack: each matrix's) weight and "
+            "state are together either updated or as before."
         )
     if torn:
         message += (
