@@ -209,10 +209,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
 
     # ------------------------------------------------------------------ state
 
-    def _state_keys(self, algorithm: str) -> tuple[str, ...]:
-        return self.algorithms[algorithm].state_keys
-
-    def _param_info(self, index: int, group: int, p: Tensor, hyper: Hyper, resident: bool):
+    def _param_info(self, index, group, p: Tensor, hyper: Hyper, resident, grad_dtype=None):
+        # A batch of matrices is one launch reading one gradient dtype (None: placing state).
         fmt = self._format(p)
         return ParamInfo(
             index=index,
@@ -221,7 +219,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             elementwise=self.algorithms[hyper.algorithm].elementwise,
             numel=local(p).numel(),
             plan_bytes=self._budget_bytes(p, hyper),
-            batch_key=(tuple(p.shape), p.dtype, fmt, self._placement(group, p, hyper)),
+            batch_key=(tuple(p.shape), p.dtype, grad_dtype, fmt, self._placement(group, p, hyper)),
             resident=resident,
             align=fmt.align,
             unit_key=fmt,
@@ -245,6 +243,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             _which(work),
             work.shapes,  # read by the step's checks (``StepWork``)
             work.dtypes,
+            work.grad_dtypes,  # matrices batch by gradient dtype too (``_param_info``)
             tuple((h.algorithm, h.flatten, h.split_sizes, h.num_heads) for h in hypers),
             self.chunk_bytes,
             self.resident_chunk_bytes,
@@ -258,8 +257,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         for gi, p in work:
             check_state_fits(gi, p, self.state[p])
         infos = [
-            self._param_info(i, gi, p, hypers[gi], p not in self._streamed)
-            for i, (gi, p) in enumerate(work)
+            self._param_info(i, gi, p, hypers[gi], p not in self._streamed, grad_dtype)
+            for i, ((gi, p), grad_dtype) in enumerate(zip(work, work.grad_dtypes, strict=True))
         ]
         infos = split_by_count(infos, classes)  # a unit's parameters share one step count
         plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)

@@ -58,7 +58,8 @@ class ParamInfo:
     algorithm: str  # the name of the group's algorithm (the optimizer's ``algorithms`` key)
     numel: int  # local elements (the shard on this rank)
     plan_bytes: int  # bytes for budgeting: global state bytes (matrix: at least fp32) / mesh size
-    # Matrix parameters: (shape, dtype, state format, placement); they batch only if equal.
+    # Matrix parameters: (shape, dtype, gradient dtype, state format, placement); they batch
+    # only if equal (a batch is one launch, reading one gradient dtype).
     batch_key: Hashable = None
     resident: bool = True  # state kept on the GPU (never streamed)
     # Element-wise cuts fall on multiples of this many elements: SEGMENT_ALIGN, or a multiple

@@ -153,7 +153,7 @@ class StateMixin:
         """State bytes for budgeting and for the resident budget, equal on every rank: a
         sharded (DTensor) parameter counts its global state over the mesh size, never its
         local shard, which differs across ranks when shards are uneven."""
-        nkeys = len(self._state_keys(hyper.algorithm))
+        nkeys = len(self.algorithms[hyper.algorithm].state_keys)
         if not isinstance(param, DTensor):
             return self._format(param).nbytes(local(param).numel(), nkeys)
         total = self._format(param).nbytes(param.numel(), nkeys)
