@@ -13,7 +13,6 @@ the plain-torch versions (CPU path, and what the kernels are tested against).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +38,7 @@ from ._launch import (
     triton_dtype,
 )
 from ._triton import tl, triton
+from .elementwise_reference import adamw_scalars, lion_scalars
 
 # Candidates timed by the tuner (block elements per tile, chunk elements per program).
 # 256 MiB of fp32 AdamW state is 32 Mi elements: a 16 Ki chunk gives 2048 programs, about
@@ -83,6 +83,45 @@ def _typed(row, index, DTYPE: tl.constexpr, start, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _segment(
+    table,
+    grads,
+    WIDTH: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """This program's row of a pointer table ``[p, g, ..., start, count]`` of WIDTH entries:
+    (row, start, count, p and g pointers at start; g through its row of ``grads``)."""
+    row = table + tl.program_id(0).to(tl.int64) * WIDTH
+    start = tl.load(row + (WIDTH - 2))
+    count = tl.load(row + (WIDTH - 1))
+    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
+    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
+    return row, start, count, p_ptr, g_ptr
+
+
+@triton.jit
+def _adamw_hyper(scalars):
+    """adamw_scalars' seven values, read from memory (a CUDA graph replays new ones)."""
+    return (
+        tl.load(scalars),  # 1 - beta1 (lerp weight)
+        tl.load(scalars + 1),  # beta2
+        tl.load(scalars + 2),  # 1 - beta2
+        tl.load(scalars + 3),  # eps
+        tl.load(scalars + 4),  # 1 - lr * weight_decay
+        tl.load(scalars + 5),  # lr / (1 - beta1^step)
+        tl.load(scalars + 6),  # sqrt(1 - beta2^step)
+    )
+
+
+@triton.jit
+def _lion_hyper(scalars):
+    """lion_scalars' four values: 1 - beta1, 1 - beta2, 1 - lr * weight_decay, lr."""
+    return (tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2), tl.load(scalars + 3))
+
+
+@triton.jit
 def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, hyper, CAUTIOUS: tl.constexpr):
     w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = hyper
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
@@ -111,23 +150,10 @@ def _adamw_kernel(
     ALIGNED: tl.constexpr,
     CAUTIOUS: tl.constexpr,  # dion's cautious_wd (``_decayed``)
 ):
-    i_p = tl.program_id(0).to(tl.int64)
-    row = table + i_p * 6
-    start = tl.load(row + 4)
-    count = tl.load(row + 5)
-    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
+    row, start, count, p_ptr, g_ptr = _segment(table, grads, 6, P_DTYPE, G_DTYPE, ALIGNED)
     m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
     v_ptr = _typed(row, 3, V_DTYPE, start, ALIGNED)
-    hyper = (
-        tl.load(scalars),  # 1 - beta1 (lerp weight)
-        tl.load(scalars + 1),  # beta2
-        tl.load(scalars + 2),  # 1 - beta2
-        tl.load(scalars + 3),  # eps
-        tl.load(scalars + 4),  # 1 - lr * weight_decay
-        tl.load(scalars + 5),  # lr / (1 - beta1^step)
-        tl.load(scalars + 6),  # sqrt(1 - beta2^step)
-    )
+    hyper = _adamw_hyper(scalars)
     offs = tl.arange(0, BLOCK)
     n_full = count // BLOCK
     for i_t in range(n_full):  # full tiles: no mask, so loads stay 16 bytes wide
@@ -139,7 +165,8 @@ def _adamw_kernel(
 
 
 @triton.jit
-def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr, CAUTIOUS: tl.constexpr):
+def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, hyper, CAUTIOUS: tl.constexpr):
+    w1, w2, decay, lr = hyper
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -156,7 +183,7 @@ def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, w1, w2, decay, lr, CAUTIOUS: tl.
 def _lion_kernel(
     table,  # [programs, 5] int64: p address, g row in grads, m address, start, count
     grads,  # int64: gradient addresses (GradIndex.table)
-    hyper,  # fp32 [4]: 1 - beta1, 1 - beta2, 1 - lr * weight_decay, lr (lion_scalars)
+    scalars,  # fp32 [4]: lion_scalars' values (read from memory, as the AdamW kernel's)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     M_DTYPE: tl.constexpr,
@@ -164,25 +191,17 @@ def _lion_kernel(
     ALIGNED: tl.constexpr,
     CAUTIOUS: tl.constexpr,  # dion's cautious_wd (``_decayed``)
 ):
-    i_p = tl.program_id(0).to(tl.int64)
-    row = table + i_p * 5
-    start = tl.load(row + 3)
-    count = tl.load(row + 4)
-    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
+    row, start, count, p_ptr, g_ptr = _segment(table, grads, 5, P_DTYPE, G_DTYPE, ALIGNED)
     m_ptr = _typed(row, 2, M_DTYPE, start, ALIGNED)
-    w1 = tl.load(hyper)
-    w2 = tl.load(hyper + 1)
-    decay = tl.load(hyper + 2)
-    lr = tl.load(hyper + 3)
+    hyper = _lion_hyper(scalars)
     offs = tl.arange(0, BLOCK)
     n_full = count // BLOCK
     for i_t in range(n_full):
-        _lion_tile(p_ptr, g_ptr, m_ptr, i_t * BLOCK + offs, None, w1, w2, decay, lr, CAUTIOUS)
+        _lion_tile(p_ptr, g_ptr, m_ptr, i_t * BLOCK + offs, None, hyper, CAUTIOUS)
     tail = count - n_full * BLOCK
     if tail > 0:
         tail_offs, tail_mask = n_full * BLOCK + offs, offs < tail
-        _lion_tile(p_ptr, g_ptr, m_ptr, tail_offs, tail_mask, w1, w2, decay, lr, CAUTIOUS)
+        _lion_tile(p_ptr, g_ptr, m_ptr, tail_offs, tail_mask, hyper, CAUTIOUS)
 
 
 def _launch_segments(
@@ -222,10 +241,22 @@ def _launch_segments(
 
 
 def _launch_group(
-    kernel, name, device, ptrs, grad_table, sizes, dtypes, scalars, config, aligned, cautious
+    kernel,
+    name,
+    device,
+    ptrs,
+    grad_table,
+    sizes,
+    dtypes,
+    scalars,
+    config,
+    aligned,
+    cautious,
+    fp_fusion=FP_FUSION,
 ) -> None:
     """One launch over segments given by their addresses (``ptrs[j][i]``: tensor j of
-    segment i; the gradients' rows of ``grad_table`` at j = 1) and element counts."""
+    segment i; the gradients' rows of ``grad_table`` at j = 1) and element counts, the
+    kernel's dtypes (``dtypes``: torch's) after its three pointers (dense and 8-bit)."""
     ptrs = tuple(tuple(col) for col in ptrs)
     key = (name, device.index, config.chunk, ptrs, tuple(sizes))
 
@@ -248,7 +279,7 @@ def _launch_group(
         ALIGNED=aligned,
         CAUTIOUS=cautious,
         num_warps=config.num_warps,
-        enable_fp_fusion=FP_FUSION,
+        enable_fp_fusion=fp_fusion,
     )
 
 
@@ -262,41 +293,14 @@ def _choose(kernel, name, group, sizes, dtypes, scalars, cautious) -> Config:
         ptrs = [[t.data_ptr() for t in tensors] for tensors in scratch]
         aligned = not any(p % ALIGN_BYTES for col in ptrs for p in col)
         grad_table, ptrs[1] = grad_index_for(scratch[1], None)
-        return bench_ms(
-            lambda: _launch_group(
-                kernel,
-                name,
-                device,
-                ptrs,
-                grad_table,
-                sizes,
-                dtypes,
-                scalars,
-                config,
-                aligned,
-                cautious,
-            )
-        )
+        args = (ptrs, grad_table, sizes, dtypes, scalars, config, aligned, cautious)
+        return bench_ms(lambda: _launch_group(kernel, name, device, *args))
 
     return TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
 
 
 def _on(tensors: Sequence[Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
-
-
-def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple[float, ...]:
-    """The AdamW kernels' runtime scalars (dense and 8-bit): 1 - beta1, beta2, 1 - beta2, eps,
-    1 - lr wd, lr / bc1, sqrt(bc2)."""
-    if step < 1:
-        raise ValueError(f"step must be >= 1, got {step}")
-    decay, step_size = 1.0 - lr * weight_decay, lr / (1.0 - beta1**step)
-    return (1.0 - beta1, beta2, 1.0 - beta2, eps, decay, step_size, math.sqrt(1.0 - beta2**step))
-
-
-def lion_scalars(lr, beta1, beta2, weight_decay) -> tuple[float, ...]:
-    """The Lion kernels' runtime scalars (dense and 8-bit): 1 - beta1, 1 - beta2, 1 - lr wd, lr."""
-    return (1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, lr)
 
 
 def adamw_(

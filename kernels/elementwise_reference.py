@@ -20,6 +20,21 @@ def cautious_decay(update: Tensor, p32: Tensor, decay: float) -> Tensor:
     return torch.where(update * p32 >= 0, decay, 1.0)
 
 
+def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple[float, ...]:
+    """AdamW's scalars, shared by the references and the kernels (dense and 8-bit): 1 - beta1,
+    beta2, 1 - beta2, eps, 1 - lr wd, lr / bc1, sqrt(bc2)."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    decay, step_size = 1.0 - lr * weight_decay, lr / (1.0 - beta1**step)
+    return (1.0 - beta1, beta2, 1.0 - beta2, eps, decay, step_size, math.sqrt(1.0 - beta2**step))
+
+
+def lion_scalars(lr, beta1, beta2, weight_decay) -> tuple[float, ...]:
+    """Lion's scalars, shared by the references and the kernels (dense and 8-bit): 1 - beta1,
+    1 - beta2, 1 - lr wd, lr."""
+    return (1.0 - beta1, 1.0 - beta2, 1.0 - lr * weight_decay, lr)
+
+
 def adamw_reference_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -41,15 +56,14 @@ def adamw_reference_(
 
     ``cautious_wd``: the decay only where m (new) and p (old) agree in sign (``cautious_decay``).
     """
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    step_size = lr / bias_correction1
-    decay = 1.0 - lr * weight_decay
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(
+        lr, beta1, beta2, eps, weight_decay, step
+    )
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         g32 = g.float()
-        m32 = m.float().lerp_(g32, 1.0 - beta1)
-        v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
-        denom = v32.sqrt().div_(bias_correction2_sqrt).add_(eps)
+        m32 = m.float().lerp_(g32, w1)
+        v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=omb2)
+        denom = v32.sqrt().div_(bc2_sqrt).add_(eps)
         p32 = p.float()
         factor = cautious_decay(m32, p32, decay) if cautious_wd else decay
         p32 = p32.mul_(factor).addcdiv_(m32, denom, value=-step_size)
@@ -71,12 +85,12 @@ def lion_reference_(
 ) -> None:
     """Lion as dion runs it: u = sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2);
     p = p (1 - lr wd) - lr u; ``cautious_wd``: the decay only where u and p agree in sign."""
-    decay = 1.0 - lr * weight_decay
+    w1, w2, decay, lr = lion_scalars(lr, beta1, beta2, weight_decay)
     for p, g, m in zip(params, grads, exp_avgs, strict=True):
         g32 = g.float()
         m32 = m.float()
-        update = torch.lerp(m32, g32, 1.0 - beta1).sign_()
-        m32.lerp_(g32, 1.0 - beta2)
+        update = torch.lerp(m32, g32, w1).sign_()
+        m32.lerp_(g32, w2)
         p32 = p.float()
         factor = cautious_decay(update, p32, decay) if cautious_wd else decay
         p32 = p32.mul_(factor).sub_(update, alpha=lr)

@@ -12,27 +12,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ._grad_index import grad_index_for
 from ._launch import (
     ALIGN_BYTES,
-    TABLES,
     TUNER,
     Config,
     bench_ms,
     bucket,
     check_scalars,
-    chunk_rows,
     device_scalars,
     dtype_name,
     scratch_like,
-    triton_dtype,
 )
 from ._triton import tl, triton
-from .elementwise import _decayed, _lerp, _typed, adamw_scalars, lion_scalars
+from .elementwise import (
+    _adamw_hyper,
+    _decayed,
+    _launch_group,
+    _lerp,
+    _lion_hyper,
+    _on,
+    _segment,
+    _typed,
+    adamw_scalars,
+    lion_scalars,
+)
 from .quant_maps import (
     _INV127,
     _INV255,
@@ -111,25 +118,13 @@ def _adamw8_kernel(
     ALIGNED: tl.constexpr,
     CAUTIOUS: tl.constexpr,  # dion's cautious_wd (elementwise.py's ``_decayed``)
 ):
-    i_p = tl.program_id(0).to(tl.int64)
-    row = table + i_p * 8
-    start = tl.load(row + 6)  # a multiple of the chunk, so of QBLOCK
-    count = tl.load(row + 7)
-    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
+    # start: a multiple of the chunk, so of QBLOCK
+    row, start, count, p_ptr, g_ptr = _segment(table, grads, 8, P_DTYPE, G_DTYPE, ALIGNED)
     mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
     ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
     vc_ptr = _typed(row, 4, tl.uint8, start, ALIGNED)
     vs_ptr = _typed(row, 5, tl.float32, start // _QB, False)
-    hyper = (
-        tl.load(scalars),  # 1 - beta1 (lerp weight)
-        tl.load(scalars + 1),  # beta2
-        tl.load(scalars + 2),  # 1 - beta2
-        tl.load(scalars + 3),  # eps
-        tl.load(scalars + 4),  # 1 - lr * weight_decay
-        tl.load(scalars + 5),  # lr / (1 - beta1^step)
-        tl.load(scalars + 6),  # sqrt(1 - beta2^step)
-    )
+    hyper = _adamw_hyper(scalars)
     n_full = count // BLOCK
     for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
         _adamw8_tile(
@@ -205,15 +200,10 @@ def _lion8_kernel(
     ALIGNED: tl.constexpr,
     CAUTIOUS: tl.constexpr,  # dion's cautious_wd (elementwise.py's ``_decayed``)
 ):
-    i_p = tl.program_id(0).to(tl.int64)
-    row = table + i_p * 6
-    start = tl.load(row + 4)
-    count = tl.load(row + 5)
-    p_ptr = _typed(row, 0, P_DTYPE, start, ALIGNED)
-    g_ptr = _typed(grads, tl.load(row + 1), G_DTYPE, start, ALIGNED)  # a row of grads
+    row, start, count, p_ptr, g_ptr = _segment(table, grads, 6, P_DTYPE, G_DTYPE, ALIGNED)
     mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
     ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
-    hyper = (tl.load(scalars), tl.load(scalars + 1), tl.load(scalars + 2), tl.load(scalars + 3))
+    hyper = _lion_hyper(scalars)
     n_full = count // BLOCK
     ptrs = (p_ptr, g_ptr, mc_ptr, ms_ptr)
     for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
@@ -249,32 +239,13 @@ def _launch_segments(kernel, name, params, grads, states, scalars, index, cautio
         ptrs[1] = tuple(grad_rows[i] for i in members)  # the table holds the gradients' rows
         ptrs = tuple(ptrs)
         sizes = tuple(numels[i] for i in members)
-        dtypes = (triton_dtype(p_dtype), triton_dtype(g_dtype))
+        dtypes = (p_dtype, g_dtype)
 
         def launch(ptrs, grad_table, config, aligned=aligned, sizes=sizes, dtypes=dtypes):
-            key = (name, device.index, config.chunk, ptrs, sizes)
-            table = TABLES.get(
-                key,
-                lambda: chunk_rows(
-                    np.array(ptrs, dtype=np.int64).T.reshape(len(sizes), len(ptrs)),
-                    np.array(sizes, dtype=np.int64),
-                    config.chunk,
-                ),
-                device,
-            )
-            kernel[(table.shape[0],)](
-                table,
-                grad_table,
-                scalars,
-                *dtypes,
-                BLOCK=config.block,
-                ALIGNED=aligned,
-                CAUTIOUS=cautious,
-                num_warps=config.num_warps,
-                # Products rounded before sums, as the torch reference: codes match it bit
-                # for bit on the GPU too (a fused multiply-add can move a rounding).
-                enable_fp_fusion=False,
-            )
+            # Products rounded before sums, as the torch reference: codes match it bit for bit
+            # on the GPU too (a fused multiply-add can move a rounding).
+            args = (ptrs, grad_table, sizes, dtypes, scalars, config, aligned, cautious)
+            _launch_group(kernel, name, device, *args, fp_fusion=False)
 
         def bench(config, members=members, launch=launch):
             scratch = []
@@ -314,8 +285,7 @@ def adamw8_(
     """Fused AdamW on 8-bit state (``adam_m`` / ``adam_v`` maps), any number of segments;
     same math as ``adamw8_reference_``. Each segment starts on a block boundary of its
     parameter; its scales hold ceil(numel / QBLOCK) entries."""
-    scalars = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
-    scalars = device_scalars(scalars, params[0].device if params else torch.device("cpu"))
+    scalars = device_scalars(adamw_scalars(lr, beta1, beta2, eps, weight_decay, step), _on(params))
     state = (m_codes, m_scales, v_codes, v_scales)
     adamw8_from_(params, grads, *state, scalars, cautious_wd=cautious_wd)
 
@@ -354,8 +324,7 @@ def lion8_(
     cautious_wd: bool = False,
 ) -> None:
     """Fused Lion on 8-bit momentum (``momentum`` map); same math as ``lion8_reference_``."""
-    scalars = lion_scalars(lr, beta1, beta2, weight_decay)
-    scalars = device_scalars(scalars, params[0].device if params else torch.device("cpu"))
+    scalars = device_scalars(lion_scalars(lr, beta1, beta2, weight_decay), _on(params))
     lion8_from_(params, grads, m_codes, m_scales, scalars, cautious_wd=cautious_wd)
 
 

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .elementwise import adamw_scalars
-from .elementwise_reference import cautious_decay
+from .elementwise_reference import adamw_scalars, cautious_decay, lion_scalars
 from .quant_maps import MAPS, _decode_ref, _encode_ref
 
 
@@ -78,12 +77,12 @@ def lion8_reference_(
     cautious_wd: bool = False,
 ) -> None:
     """Lion (``lion_reference_``'s math) on dequantized momentum, requantized after."""
-    decay = 1.0 - lr * weight_decay
+    w1, w2, decay, lr = lion_scalars(lr, beta1, beta2, weight_decay)
     for p, g, mc, ms in zip(params, grads, m_codes, m_scales, strict=True):
         g32 = g.float()
         m = _decode_ref(mc, ms, MAPS["momentum"])
-        update = _lerp_ref(m, g32, 1.0 - beta1).sign()
-        m = _lerp_ref(m, g32, 1.0 - beta2)
+        update = _lerp_ref(m, g32, w1).sign()
+        m = _lerp_ref(m, g32, w2)
         p32 = p.float()
         factor = cautious_decay(update, p32, decay) if cautious_wd else decay
         p.copy_(p32 * factor - lr * update)
