@@ -11,7 +11,7 @@ import os
 import torch
 from torch import Tensor
 
-from ._launch import Config
+from ._launch import FP_FUSION, Config
 
 
 @functools.cache
@@ -25,6 +25,18 @@ def persistent_grid(items: int, config: Config, device: torch.device) -> int:
     grid only deals the items out; a matrix's bits do not depend on it."""
     sms = _sm_count(device.index) if device.type == "cuda" else 132
     return max(1, min(items, sms * config.programs_per_sm))
+
+
+def persistent_options(config: Config) -> dict:
+    """A persistent TMA kernel's loop and launch options (``gram_tma``'s and
+    ``poly_apply_tma``'s kernels take the same)."""
+    return dict(
+        FLATTEN=config.flatten,
+        WARP_SPECIALIZE=config.warp_specialize,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
 
 
 def tma_enabled(device: torch.device) -> bool:

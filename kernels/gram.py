@@ -35,8 +35,8 @@ from ._launch import (
 )
 from ._tma import tma_enabled, tma_layout
 from ._triton import tl, triton
-from .gram_tma import _epilogue, _launch_tma, _lower_tile
-from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
+from .gram_tma import _epilogue, _launch_tma, _lower_tile, epilogue_args
+from .normalize import NormScale, norm_scale_arg, normalize_scale
 from .shape_classes import fitting, shape_class
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
@@ -154,9 +154,7 @@ def _launch(
         return
     batch, m, k = x.shape
     tiles = triton.cdiv(m, config.block)
-    y_arg = y if y is not None else out
-    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
+    y_arg, args, constexprs = epilogue_args(y, out, alpha, beta, diag, symmetrize, scale)
     for start in range(0, batch, MAX_GRID_Y):
         _sym_gram_kernel[(tiles * (tiles + 1) // 2, min(batch - start, MAX_GRID_Y))](
             x,
@@ -168,26 +166,25 @@ def _launch(
             k,
             *x.stride(),
             *w.stride(),
-            *y_arg.stride(),
-            *out.stride(),
-            alpha,
-            beta,
-            diag,
-            sumsq,
-            norm_scale,
-            eps,
-            HAS_Y=y is not None,
-            HAS_DIAG=diag != 0.0,
-            HAS_SCALE=scale is not None,
-            SYMMETRIZE=symmetrize,
+            *args,
+            **constexprs,
             EVEN_K=k % config.chunk == 0,
-            PRECISION=precision,
             BLOCK=config.block,
             BLOCK_K=config.chunk,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            enable_fp_fusion=FP_FUSION,
+            **pointer_options(config, x.dtype),
         )
+
+
+def pointer_options(config: Config, dtype: torch.dtype) -> dict:
+    """A pointer product kernel's precision and launch options (``sym_gram``'s and
+    ``poly_apply``'s kernels take the same): fp32 products in IEEE fp32, tf32 is ignored for
+    16-bit."""
+    return dict(
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=FP_FUSION,
+    )
 
 
 def sym_gram(

@@ -8,8 +8,8 @@ also folds in the normalization's scale, ``HAS_SCALE``).
 
 from __future__ import annotations
 
-from ._launch import FP_FUSION, Config
-from ._tma import persistent_grid, tensor_descriptor, tma_layout
+from ._launch import Config
+from ._tma import persistent_grid, persistent_options, tensor_descriptor, tma_layout
 from ._triton import tl, triton
 from .normalize import NormScale, inverse_norm, scale_kernel_args
 
@@ -161,8 +161,7 @@ def _launch_tma(
     box = (config.block, config.chunk)
     x_desc = tensor_descriptor(x, x_t, box[::-1] if x_t else box)
     w_desc = x_desc if w is x else tensor_descriptor(w, w_t, box[::-1] if w_t else box)
-    y_arg = y if y is not None else out
-    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
+    y_arg, args, constexprs = epilogue_args(y, out, alpha, beta, diag, symmetrize, scale)
     _sym_gram_tma_kernel[(persistent_grid(items, config, x.device),)](
         x_desc,
         w_desc,
@@ -171,25 +170,27 @@ def _launch_tma(
         items,
         m,
         k,
-        *y_arg.stride(),
-        *out.stride(),
-        alpha,
-        beta,
-        diag,
-        sumsq,
-        norm_scale,
-        eps,
-        HAS_Y=y is not None,
-        HAS_DIAG=diag != 0.0,
-        HAS_SCALE=scale is not None,
-        SYMMETRIZE=symmetrize,
+        *args,
+        **constexprs,
         X_T=x_t,
         W_T=w_t,
         BLOCK=config.block,
         BLOCK_K=config.chunk,
-        FLATTEN=config.flatten,
-        WARP_SPECIALIZE=config.warp_specialize,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        enable_fp_fusion=FP_FUSION,
+        **persistent_options(config),
     )
+
+
+def epilogue_args(y, out, alpha, beta, diag, symmetrize: bool, scale: NormScale | None):
+    """``_epilogue``'s launch arguments, the same for both kernels: y's argument (out in its
+    place when there is no y, never read), the runtime ones from y's strides to eps (in the
+    kernels' order) and the constexprs."""
+    y_arg = y if y is not None else out
+    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
+    args = (*y_arg.stride(), *out.stride(), alpha, beta, diag, sumsq, norm_scale, eps)
+    constexprs = dict(
+        HAS_Y=y is not None,
+        HAS_DIAG=diag != 0.0,
+        HAS_SCALE=scale is not None,
+        SYMMETRIZE=symmetrize,
+    )
+    return y_arg, args, constexprs

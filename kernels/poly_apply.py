@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from ._launch import (
-    FP_FUSION,
     TUNER,
     Config,
     bench_ms,
@@ -34,9 +33,16 @@ from ._launch import (
 )
 from ._tma import tma_enabled, tma_layout
 from ._triton import tl, triton
-from .gram import MAX_GRID_Y, _scratch, _scratch_scale
-from .normalize import NormScale, norm_scale_arg, normalize_scale, scale_kernel_args
-from .poly_apply_tma import ApplyArgs, ParamApply, _epilogue, _launch_tma, apply_kernel_args
+from .gram import MAX_GRID_Y, _scratch, _scratch_scale, pointer_options
+from .normalize import NormScale, norm_scale_arg, normalize_scale
+from .poly_apply_tma import (
+    ApplyArgs,
+    ParamApply,
+    _epilogue,
+    _launch_tma,
+    apply_kernel_args,
+    epilogue_args,
+)
 from .shape_classes import fitting, shape_class
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
@@ -167,8 +173,7 @@ def _launch(
     stride_pb, stride_pm, stride_pk = poly.stride()
     if stride_pk != 1 and stride_pm == 1:  # B = B^T: read it so that K stays contiguous
         stride_pm, stride_pk = stride_pk, stride_pm
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit
-    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
+    args, constexprs = epilogue_args(x, out, alpha, scale, apply, even)
     for start in range(0, batch, MAX_GRID_Y):
         _poly_apply_kernel[(tiles, min(batch - start, MAX_GRID_Y))](
             poly,
@@ -180,24 +185,12 @@ def _launch(
             stride_pb,
             stride_pm,
             stride_pk,
-            *x.stride(),
-            *out.stride(),
-            alpha,
-            sumsq,
-            norm_scale,
-            eps,
-            *apply.args,
-            ADD_X=alpha != 0.0,
-            HAS_SCALE=scale is not None,
-            EVEN=even,
-            **apply.constexprs,
-            PRECISION=precision,
+            *args,
+            **constexprs,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block,
             BLOCK_K=config.chunk,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            enable_fp_fusion=FP_FUSION,
+            **pointer_options(config, x.dtype),
         )
 
 

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._launch import FP_FUSION, Config, triton_dtype
-from ._tma import persistent_grid, tensor_descriptor, tma_layout
+from ._launch import Config, triton_dtype
+from ._tma import persistent_grid, persistent_options, tensor_descriptor, tma_layout
 from ._triton import tl, triton
 from .muon_apply import ParamApply, apply_step
 from .normalize import NormScale, inverse_norm, scale_kernel_args
@@ -192,7 +192,7 @@ def _launch_tma(
     p_desc = tensor_descriptor(poly, tma_layout(poly), (config.block_m, config.chunk))
     x_t = tma_layout(x)
     box = (config.block, config.chunk) if x_t else (config.chunk, config.block)
-    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
+    args, constexprs = epilogue_args(x, out, alpha, scale, apply, even)
     _poly_apply_tma_kernel[(persistent_grid(items, config, x.device),)](
         p_desc,
         tensor_descriptor(x, x_t, box),
@@ -201,24 +201,22 @@ def _launch_tma(
         items,
         m,
         n,
-        *x.stride(),
-        *out.stride(),
-        alpha,
-        sumsq,
-        norm_scale,
-        eps,
-        *apply.args,
-        ADD_X=alpha != 0.0,
-        HAS_SCALE=scale is not None,
-        EVEN=even,
-        **apply.constexprs,
+        *args,
+        **constexprs,
         X_T=x_t,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block,
         BLOCK_K=config.chunk,
-        FLATTEN=config.flatten,
-        WARP_SPECIALIZE=config.warp_specialize,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        enable_fp_fusion=FP_FUSION,
+        **persistent_options(config),
     )
+
+
+def epilogue_args(x, out, alpha: float, scale: NormScale | None, apply: ApplyArgs, even: bool):
+    """``_epilogue``'s launch arguments, the same for both kernels: the runtime ones from x's
+    strides to the apply's (in the kernels' order) and the constexprs."""
+    sumsq, norm_scale, eps = scale_kernel_args(scale, out)
+    args = (*x.stride(), *out.stride(), alpha, sumsq, norm_scale, eps, *apply.args)
+    constexprs = dict(
+        ADD_X=alpha != 0.0, HAS_SCALE=scale is not None, EVEN=even, **apply.constexprs
+    )
+    return args, constexprs
