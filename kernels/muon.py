@@ -205,14 +205,21 @@ def _prep_launch(momentums, grads, index, mu, nesterov, out, partial, config: Co
     )
 
 
-def prep_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
-    """A prep kernel's outputs (dense and 8-bit): ``out`` contiguous [batch, *shape] (bf16 when
-    not given) and ``sumsq`` fp32 [batch], allocated when None, checked when given."""
-    numel = math.prod(shape)
+def new_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
+    """A prep's outputs where not given (kernels and references, dense and 8-bit): ``out``
+    bf16 [batch, *shape] and ``sumsq`` fp32 [batch]."""
     if out is None:
         out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
     if sumsq is None:
         sumsq = torch.empty(batch, dtype=torch.float32, device=device)
+    return out, sumsq
+
+
+def prep_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
+    """A prep kernel's outputs (dense and 8-bit): ``out`` contiguous [batch, *shape] (bf16 when
+    not given) and ``sumsq`` fp32 [batch], allocated when None, checked when given."""
+    numel = math.prod(shape)
+    out, sumsq = new_outputs(batch, shape, device, out, sumsq)
     if out.numel() != batch * numel or not out.is_contiguous() or out.device != device:
         raise ValueError(f"out must be a contiguous [{batch}, *{tuple(shape)}] tensor on {device}")
     if sumsq.shape != (batch,) or sumsq.dtype != torch.float32:
@@ -370,11 +377,7 @@ def muon_prep_reference(
 ) -> tuple[Tensor, Tensor]:
     """Update momentum in place; return (U [B, m, n] bf16, sum of squares [B] fp32)."""
     batch = len(momentums)
-    shape = momentums[0].shape
-    if out is None:
-        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=momentums[0].device)
-    if sumsq is None:
-        sumsq = torch.empty(batch, dtype=torch.float32, device=momentums[0].device)
+    out, sumsq = new_outputs(batch, momentums[0].shape, momentums[0].device, out, sumsq)
     for i, (m, g) in enumerate(zip(momentums, grads, strict=True)):
         g32 = g.float()
         m32 = m.float().mul_(mu).add_(g32)
@@ -396,7 +399,7 @@ def muon_apply_reference_(
 ) -> None:
     """X = X (1 - lr wd) - adjusted_lr U for each matrix of the batch, math in fp32.
     ``cautious_wd`` (dion's): the decay only where U and X (before the step) agree in sign."""
-    decay = 1.0 - lr * weight_decay
+    decay, adjusted_lr = apply_scalars(lr, weight_decay, adjusted_lr)
     for i, x in enumerate(params):
         u32, x32 = update[i].float(), x.float()
         factor = cautious_decay(u32, x32, decay) if cautious_wd else decay

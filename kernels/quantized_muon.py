@@ -26,7 +26,7 @@ from ._launch import (
 )
 from ._triton import tl, triton
 from .elementwise import _typed
-from .muon import prep_outputs
+from .muon import new_outputs, prep_outputs
 from .quant_maps import (
     _INV127,
     _QB,
@@ -237,12 +237,8 @@ def muon_prep8_reference(
     sumsq: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``muon_prep_reference`` on dequantized momentum, requantized after."""
-    batch, shape = len(m_codes), m_codes[0].shape
-    device = grads[0].device
-    if out is None:
-        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
-    if sumsq is None:
-        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
+    batch = len(m_codes)
+    out, sumsq = new_outputs(batch, m_codes[0].shape, grads[0].device, out, sumsq)
     for i, (mc, ms, g) in enumerate(zip(m_codes, m_scales, grads, strict=True)):
         g32 = g.float()
         m = _decode_ref(mc, ms, MAPS["momentum"]) * mu + g32
