@@ -18,6 +18,7 @@ from torch import Tensor
 from ..distributed import DTensor, dtensor_around, local
 from ..hyper import Hyper, StepWork, same_objects
 from ..muon_shapes import matrix_count
+from .assigned_state import HeldState
 from .host_slabs import HostSlabs
 from .planner import plan_step, unit_params
 from .sharded_scales import check_placements
@@ -75,6 +76,7 @@ class StateStore:
         # Parameters whose state is as created: no step or load since. A load may lay theirs
         # out afresh (``checkpoint.check_live_layout``), as if it did not exist yet.
         self.pristine: set[Tensor] = set()
+        self.held = HeldState()  # the tensors made for each parameter's state
 
     def forget(self, params) -> None:
         """The state of ``params`` was dropped (``del opt.state[p]``, a new ``opt.state``): it
@@ -85,6 +87,7 @@ class StateStore:
             self.pristine.discard(p)
             self.formats.pop(p, None)
             self.resident_used -= self.resident.pop(p, 0)
+        self.held.forget(params)
         self.index = StateIndex()  # it holds the dropped dicts, so their tensors, alive
 
     def create(self, state: dict, new: list[NewState]) -> None:
@@ -100,12 +103,12 @@ class StateStore:
                 self.streamed.add(p)
                 continue
             device = local(p).device
-            state[p].update(
-                {
-                    name: like_param(torch.zeros(shape, dtype=dtype, device=device), p, name)
-                    for name, shape, dtype in entry.specs
-                }
-            )
+            made = {
+                name: like_param(torch.zeros(shape, dtype=dtype, device=device), p, name)
+                for name, shape, dtype in entry.specs
+            }
+            state[p].update(made)
+            self.held.keep(p, made)
         if not streamed:
             return
         if self.host is None:
@@ -115,9 +118,9 @@ class StateStore:
         owners = [e.param for e in streamed for _ in e.specs]
         tensors = iter(self.host.allocate(specs, owners))
         for e in streamed:
-            state[e.param].update(
-                {name: like_param(next(tensors), e.param, name) for name, _, _ in e.specs}
-            )
+            made = {name: like_param(next(tensors), e.param, name) for name, _, _ in e.specs}
+            state[e.param].update(made)
+            self.held.keep(e.param, made)
 
 
 def like_param(state: Tensor, param: Tensor, name: str = "") -> Tensor:
@@ -207,6 +210,10 @@ class StateMixin:
         parameters moved, state dropped since made afresh; then none is as created."""
         self._handed_scales.pull()
         self._follow_device(hypers, device)
+        store = self._store
+        dicts = store.index.dicts(self.state, work.params)
+        if store.held.adopt(dicts, work.params, store.streamed, self._synchronize):
+            self._plans.clear()  # their layouts and transfers name the replaced tensors
         self._ensure_state(hypers, work)
         self._store.pristine.clear()
 
