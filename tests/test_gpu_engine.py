@@ -259,12 +259,6 @@ def test_side_stream_offloaded_equals_resident_bitwise_over_50_steps(state_dtype
                 assert torch.equal(opt.state[a][key].cuda(), r_opt.state[b][key])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="H200, torch 2.11 + triton 3.6, 2026-12-01: host bytes grew 109075968 -> 117464576 "
-    "after a reset with cuda_graph='auto' and fresh gradients (graphs now capture with them); "
-    "suspected: a captured graph still holds the dropped state's host tensors. Cause not isolated",
-)
 def test_dropped_state_reuses_its_pinned_bytes_bitwise():
     """State dropped between steps (all of it, then some) is made afresh in the pinned bytes it
     left, once the last step's write-backs have landed: host memory stays flat and the steps
