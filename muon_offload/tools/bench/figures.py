@@ -57,9 +57,7 @@ def _timeline_figure(plt, r: dict, path: Path) -> None:
         f"{chunks} chunks; colour = chunk{serial}\n{i['card']}, torch {i['torch']}",
         fontsize=9,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _state_size_figure(plt, r: dict, path: Path) -> None:
@@ -106,6 +104,10 @@ def _state_size_figure(plt, r: dict, path: Path) -> None:
         f"{i['card']}, torch {i['torch']}",
         fontsize=9,
     )
+    _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
