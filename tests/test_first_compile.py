@@ -1,0 +1,177 @@
+"""The engine's first-compile hook (engine/first_compile.py): before a step whose plan holds
+units of kinds this process has not run, one scratch unit of each new kind runs inside
+``precompile.compiling_ahead``. Here the block is the real one, told that the CPU is a GPU
+(``precompile.enabled``): the interpreted kernels are no JITFunctions, so inside the block
+they run on the scratch tensors instead of compiling, which lets the tests see every scratch
+unit (its launches, its tensors) and check that the step's results are those of a step
+without the pass, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from muon_offload.kernels import _launch, precompile
+
+from muon_offload import Muon
+from muon_offload.engine import first_compile
+
+pytest.importorskip("triton.runtime._async_compile")
+CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
+# The scratch units run here on zeroed tensors (on a GPU their launches only compile): 0 / 0.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """``compiling_ahead`` on for the CPU (the switch still read), and a process that has run
+    no unit yet."""
+    enabled = precompile.enabled
+    monkeypatch.setattr(precompile, "enabled", lambda device: enabled(CUDA))
+    monkeypatch.setattr(precompile, "interpreted", lambda: False)
+    monkeypatch.delenv(precompile.ENV, raising=False)
+    monkeypatch.setattr(first_compile, "_SEEN", set())
+    monkeypatch.setattr(first_compile, "_WARNED", [False])
+
+
+SHAPES = [(33, 17), (33, 17), (3, 9, 5), (64, 80)]  # (64, 80): 8-bit with int8 state
+
+
+def _model(seed: int = 0, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    mats = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    rest = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (40, 4100)]
+    # 4 bytes into its storage: not 16-byte aligned, a launch (a variant) of its own
+    rest.append(torch.nn.Parameter(torch.randn(301, generator=gen)[1:]))
+    for p in mats + rest:
+        p.grad = torch.randn(p.shape, generator=gen)
+    return mats + rest, [dict(params=mats), dict(params=rest, algorithm="adamw")]
+
+
+def _spy(opt) -> list[tuple[bool, object, object]]:
+    """(inside the block, the algorithm, the job) of every unit update of ``opt``."""
+    calls = []
+    for algorithm in opt.algorithms.values():
+
+        def update(job, algorithm=algorithm, original=algorithm.update):
+            calls.append((_launch.launches_only_compile(), algorithm, job))
+            return original(job)
+
+        algorithm.update = update
+    return calls
+
+
+def _signature(algorithm, job) -> tuple:
+    """What a unit's launches are read off: its algorithm, format and each tensor's layout."""
+    lists = [job.params, job.grads, *job.state]
+    specs = tuple(
+        tuple((tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16) for t in ts) for ts in lists
+    )
+    return algorithm.name, job.quantized, specs
+
+
+def _storages(opt, params) -> set[int]:
+    tensors = [*params, *(p.grad for p in params)]
+    tensors += [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _results(opt, params) -> list[torch.Tensor]:
+    state = [t for p in params for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+    return [p.detach().clone() for p in params] + [t.clone() for t in state]
+
+
+def _bitwise(a, b) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x.view(-1), y.view(-1)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _step(seed=0, shapes=SHAPES, **kw):
+    params, groups = _model(seed, shapes)
+    opt = Muon(groups, lr=0.02, backend="triton", **kw)
+    calls = _spy(opt)
+    opt.step()
+    return params, opt, calls
+
+
+KWARGS = [
+    dict(),
+    dict(state_dtype=torch.int8),
+    dict(offload=True, chunk_bytes=6000),
+]
+
+
+@pytest.mark.parametrize("kw", KWARGS, ids=["resident", "int8", "offload"])
+def test_the_first_step_runs_one_scratch_unit_of_each_new_kind_ahead(as_on_a_gpu, kw):
+    params, opt, calls = _step(**kw)
+    ahead = [(a, job) for inside, a, job in calls if inside]
+    real = [(a, job) for inside, a, job in calls if not inside]
+    # One scratch unit a kind of the step's units, each laid out as its unit is (the staging
+    # views of an offloaded chunk included): the same launches, so the same variants.
+    assert sorted(map(repr, {_signature(*c) for c in real})) == sorted(
+        repr(_signature(*c)) for c in ahead
+    )
+    users = _storages(opt, params)
+    for _, job in ahead:
+        for t in [*job.params, *job.grads, *(t for ts in job.state for t in ts)]:
+            assert t.untyped_storage().data_ptr() not in users
+    # The same bits as without the pass.
+    plain_params, plain_opt, plain_calls = _step(**kw)
+    assert not any(inside for inside, *_ in plain_calls)  # every kind seen: no pass
+    assert _bitwise(_results(opt, params), _results(plain_opt, plain_params))
+    # Never again for a seen kind: the next step, another optimizer over the same shapes.
+    calls.clear()
+    opt.step()
+    assert calls and not any(inside for inside, *_ in calls)
+
+
+def test_only_the_new_kinds_of_a_later_plan_run_ahead(as_on_a_gpu):
+    _step()
+    _, _, calls = _step(seed=1, shapes=[(33, 17), (20, 12), (33, 17)])
+    ahead = [(a.name, tuple(job.params[0].shape)) for inside, a, job in calls if inside]
+    assert ahead == [("muon", (20, 12))]  # the batch of two (33, 17) and the AdamW unit: seen
+
+
+def test_the_switch_turns_the_pass_off(as_on_a_gpu, monkeypatch):
+    monkeypatch.setenv(precompile.ENV, "0")
+    _, _, calls = _step()
+    assert calls and not any(inside for inside, *_ in calls)
+    assert not first_compile._SEEN
+
+
+def test_without_cuda_nothing_runs_ahead(monkeypatch):
+    monkeypatch.setattr(first_compile, "_SEEN", set())
+    _, _, calls = _step()
+    assert calls and not any(inside for inside, *_ in calls)
+
+
+@pytest.mark.parametrize("where", ["unit", "block"])
+def test_a_failing_pass_is_a_warning_once_and_changes_no_result(
+    as_on_a_gpu, monkeypatch, caplog, where
+):
+    plain_params, plain_opt, _ = _step()
+    monkeypatch.setattr(first_compile, "_SEEN", set())
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compile today")
+
+    if where == "block":
+        monkeypatch.setattr(precompile, "compiling_ahead", fail)
+    params, groups = _model()
+    opt = Muon(groups, lr=0.02, backend="triton")
+    if where == "unit":  # the second scratch unit fails, after the first ran
+        runs, original = [], first_compile._run
+
+        def run(unit, job):
+            runs.append(unit)
+            return fail() if len(runs) > 1 else original(unit, job)
+
+        monkeypatch.setattr(first_compile, "_run", run)
+    with caplog.at_level(logging.WARNING, logger="muon_offload"):
+        opt.step()
+        _step(seed=1, shapes=[(20, 12)])  # another pass, failing too: no second warning
+    warnings = [r for r in caplog.records if "compiling the step's new kernels" in r.message]
+    assert len(warnings) == 1 and "no compile today" in warnings[0].message
+    assert _bitwise(_results(opt, params), _results(plain_opt, plain_params))
