@@ -52,7 +52,6 @@ from .graphs import GraphMixin, StepGraphs
 from .interrupt import interrupted
 from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, elementwise_only, plan_step
-from .prefetch import PrefetchMixin, finish
 from .scalars import ScalarTable, scalar_table
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
@@ -91,9 +90,7 @@ class PlanCache(dict[tuple, PlanEntry]):
         super().clear()
 
 
-class ChunkedOptimizer(
-    StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, PrefetchMixin, Optimizer
-):
+class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -112,7 +109,6 @@ class ChunkedOptimizer(
         backend: str,
         distributed_mesh=None,
         cuda_graph: bool | str = "auto",
-        prefetch: bool = True,
     ):
         settings = Settings.check(
             offload=offload,
@@ -122,7 +118,6 @@ class ChunkedOptimizer(
             state_dtype=state_dtype,
             backend=backend,
             cuda_graph=cuda_graph,
-            prefetch=prefetch,
             backends=common_backends(self.algorithms.values()),
         )
         mesh = resolve_mesh(distributed_mesh)
@@ -147,7 +142,6 @@ class ChunkedOptimizer(
         self.state_dtype = settings.state_dtype
         self.backend = settings.backend
         self.cuda_graph = settings.cuda_graph
-        self._auto_prefetch = settings.prefetch  # prefetch() from backward (prefetch.py)
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
         self._ungraphed_steps = 0  # steps run eagerly outside ``_graphs`` (graph_stats)
         # Why "auto" keeps every step eager (a mesh or DTensor parameters), None if nothing.
@@ -233,9 +227,9 @@ class ChunkedOptimizer(
         )
 
     def _synchronize(self) -> None:
-        """Wait for in-flight write-backs (and loads), so host state can be read by the CPU."""
+        """Wait for in-flight write-backs, so host state can be read by the CPU."""
         if self._streamed and self._scheduler is not None and self._scheduler.cuda:
-            finish(self._scheduler)
+            torch.cuda.current_stream(self._scheduler.device).synchronize()
 
     # --------------------------------------------------------------- planning
 
@@ -320,7 +314,6 @@ class ChunkedOptimizer(
         slots, counts, classes = self._counts.for_step(_which(work), work.params, counted)
         plan, transfers, layouts, side = self._plan(work, hypers, classes)
         if self._scheduler is None or self._scheduler.device != device:
-            self._synchronize()  # the old arena is freed: its stores may still read it
             self._scheduler = StreamScheduler(device)
         self._scheduler.timeline = self._timeline_marks
         steps = [g["step"] + 1 for g in self.param_groups]
@@ -367,7 +360,6 @@ def _groups_added(opt: ChunkedOptimizer) -> None:
     check_ranks_agree(opt.param_groups, opt._mesh_of)
     opt._agreements.add(opt.param_groups, opt._mesh_of)
     opt._ensure_state(opt._hypers())
-    opt._hook_prefetch()
 
 
 def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:
