@@ -1,14 +1,20 @@
 """The engine's first-compile hook (engine/first_compile.py): before a step whose plan holds
 units of kinds this process has not run, one scratch unit of each new kind runs inside
-``precompile.compiling_ahead``. Here the block is the real one, told that the CPU is a GPU
-(``precompile.enabled``): the interpreted kernels are no JITFunctions, so inside the block
+``precompile.compiling_ahead``. On the CPU the block is the real one, told that the CPU is a
+GPU (``precompile.enabled``): the interpreted kernels are no JITFunctions, so inside the block
 they run on the scratch tensors instead of compiling, which lets the tests see every scratch
 unit (its launches, its tensors) and check that the step's results are those of a step
-without the pass, bit for bit."""
+without the pass, bit for bit. On a GPU, fresh-cache first steps: nothing compiled outside the
+pool."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -68,7 +74,7 @@ def _signature(algorithm, job) -> tuple:
     specs = tuple(
         tuple((tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16) for t in ts) for ts in lists
     )
-    return algorithm.name, job.quantized, specs
+    return algorithm.name, job.fmt, specs
 
 
 def _storages(opt, params) -> set[int]:
@@ -175,3 +181,91 @@ def test_a_failing_pass_is_a_warning_once_and_changes_no_result(
     warnings = [r for r in caplog.records if "compiling the step's new kernels" in r.message]
     assert len(warnings) == 1 and "no compile today" in warnings[0].message
     assert _bitwise(_results(opt, params), _results(plain_opt, plain_params))
+
+
+_FIRST_STEPS = textwrap.dedent(
+    """
+    import json, sys, threading, torch, triton.compiler
+    from muon_offload import Muon
+    from muon_offload.kernels import precompile
+
+    compiles = []  # the thread of each Triton compile (a disk-cache hit counts too)
+    real = triton.compiler.compile
+    def compile(*args, **kwargs):
+        compiles.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+    triton.compiler.compile = compile
+    jobs = []  # what went to the worker processes
+    submit = precompile.Workers.submit
+    precompile.Workers.submit = lambda self, job: jobs.append(job[1]) or submit(self, job)
+
+    kw = json.loads(sys.argv[1])
+    if kw.pop("int8", False):  # 8-bit from 4,096 elements: the small AdamW tensors stay fp32
+        kw["state_dtype"] = torch.int8
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1000, 333), (1000, 333), (17, 4097), (4, 64, 96), (512, 1024)]
+    mats = [torch.randn(s, generator=gen) for s in shapes]
+    rest = [torch.randn(n, generator=gen) for n in (1000, 333, 5000)]
+    params = [torch.nn.Parameter(t.cuda()) for t in mats + rest]
+    groups = [dict(params=params[:5]), dict(params=params[5:], algorithm="adamw", lr=1e-3)]
+    opt = Muon(groups, lr=0.02, **kw)
+    per_step = []
+    for step in range(2):
+        for p in params:  # fresh gradients, as backward makes them
+            p.grad = torch.randn(p.shape, generator=gen).cuda()
+        opt.step()
+        torch.cuda.synchronize()
+        per_step.append(len(compiles))
+    print(json.dumps(dict(
+        compiles=compiles, jobs=jobs, per_step=per_step,
+        params=[p.detach().cpu().double().flatten().tolist()[:4000] for p in params],
+    )))
+    """
+)
+
+
+def _first_steps(tmp_path, name: str, kw: dict, switch: str, tune: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / f"triton-{name}")  # a fresh machine's caches
+    env["MUON_OFFLOAD_CACHE_DIR"] = str(tmp_path / f"tune-{name}")
+    env[precompile.ENV] = switch
+    if not tune:
+        env["MUON_OFFLOAD_AUTOTUNE"] = "0"  # the same configs in every run, none timed
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_STEPS, json.dumps(kw)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+MODELS = [dict(), dict(int8=True, offload=True, chunk_bytes=1 << 20)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", MODELS, ids=["dense-resident", "int8-offload"])
+def test_a_fresh_machines_first_step_compiles_its_kernels_on_the_pool(tmp_path, kw):
+    """Muon (2-D, a 3-D stack), AdamW, dense or 8-bit state: the step's own launches find
+    every variant compiled by the pass before it, the same variants as a step without the
+    pass compiles itself, and the same bits."""
+    on = _first_steps(tmp_path, "on", kw, "1", tune=False)
+    off = _first_steps(tmp_path, "off", kw, "0", tune=False)
+    assert on["compiles"], "nothing was compiled"
+    outside = [t for t in on["compiles"] if not t.startswith("muon-offload-load")]
+    assert not outside, f"{len(outside)} variants compiled outside the pool"
+    assert len(on["jobs"]) == len(on["compiles"])  # each first compiled in a worker process
+    assert on["per_step"][0] == on["per_step"][1]  # the second step compiles nothing
+    assert len(off["compiles"]) == len(on["compiles"])  # the variants the step needs, no more
+    assert on["params"] == off["params"]
+
+
+@pytest.mark.cuda
+def test_a_first_step_that_tunes_finds_every_candidate_compiled(tmp_path):
+    """With tuning on and an empty tuning cache: the keys the shipped table does not decide
+    are timed in the step, on candidates the pass compiled (every one)."""
+    on = _first_steps(tmp_path, "tune", MODELS[1], "1", tune=True)
+    outside = [t for t in on["compiles"] if not t.startswith("muon-offload-load")]
+    assert on["compiles"] and not outside, f"{len(outside)} variants compiled outside the pool"
