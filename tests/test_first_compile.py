@@ -74,7 +74,7 @@ def _signature(algorithm, job) -> tuple:
     specs = tuple(
         tuple((tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16) for t in ts) for ts in lists
     )
-    return algorithm.name, job.fmt, specs
+    return algorithm.name, job.quantized, specs
 
 
 def _storages(opt, params) -> set[int]:
@@ -181,6 +181,39 @@ def test_a_failing_pass_is_a_warning_once_and_changes_no_result(
     warnings = [r for r in caplog.records if "compiling the step's new kernels" in r.message]
     assert len(warnings) == 1 and "no compile today" in warnings[0].message
     assert _bitwise(_results(opt, params), _results(plain_opt, plain_params))
+
+
+def test_the_pass_leaves_the_random_state_as_it_was(as_on_a_gpu, monkeypatch):
+    original = first_compile._run
+
+    def run(unit, job):  # draws, as a tuner's scratch (``scratch_like``) does
+        torch.rand(1)
+        return original(unit, job)
+
+    monkeypatch.setattr(first_compile, "_run", run)
+    torch.manual_seed(5)
+    _, _, calls = _step()
+    assert any(inside for inside, *_ in calls)
+    after_the_pass = torch.rand(3)
+    torch.manual_seed(5)
+    _step()  # every kind seen: no pass
+    assert torch.equal(after_the_pass, torch.rand(3))
+
+
+def test_a_users_orthogonalizer_is_never_called_on_scratch(as_on_a_gpu):
+    inside = []
+
+    def orthogonalize(u, epsilon):  # may keep state: called on the user's matrices alone
+        inside.append(_launch.launches_only_compile())
+        return u
+
+    _, groups = _model()
+    opt = Muon(groups, lr=0.02, backend="triton", orthogonalizer=orthogonalize)
+    calls = _spy(opt)
+    opt.step()
+    assert inside and not any(inside)
+    ahead = {a.name for inside, a, _ in calls if inside}
+    assert ahead == {"adamw"}  # the element-wise units still run ahead
 
 
 _FIRST_STEPS = textwrap.dedent(

@@ -17,7 +17,9 @@ a list, not the unit's); its scalars are a zeroed row of the same length, its gr
 its own. The user's tensors, gradients and state are only read for their metadata.
 
 Not run ahead: a matrix unit of a mesh or of DTensor parameters (its update calls collectives;
-its kernels compile in the step as before). Off the Triton path, off CUDA, with
+its kernels compile in the step as before), and one whose orthogonalizer is the user's function
+(called only on the user's tensors: it may keep state). The random state is restored after the
+pass (a tuner's scratch draws from it). Off the Triton path, off CUDA, with
 ``MUON_OFFLOAD_PARALLEL_COMPILE=0`` and under a capture nothing happens; a step with new kinds
 is never captured (a graph is captured on a step whose key the last one had). Whatever fails
 in the pass is a warning, once a process, and the step runs as it would without it.
@@ -89,7 +91,9 @@ def compile_ahead(ctx: StepContext, layouts, rows, device: torch.device) -> int:
     what = f"kernels of {len(todo)} new kinds of units"
     if skipped:
         what += f" ({skipped} distributed units left to the step)"
-    with precompile.compiling_ahead(device, what) as ahead:
+    # The random state as it was: a tuner's scratch (``scratch_like``) draws from it.
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(cuda), precompile.compiling_ahead(device, what) as ahead:
         if ahead:
             for _, (unit, job) in todo:
                 _run(unit, _scratch_job(job, device))
@@ -119,6 +123,8 @@ def _new_kinds(ctx: StepContext, layouts, rows, device) -> tuple[list, int]:
             if not unit.algorithm.elementwise and (not unit.plain or unit.mesh.group is not None):
                 skipped += 1
                 continue
+            if callable(getattr(unit.algorithm, "orthogonalizer", None)):
+                continue  # the user's function: not called on scratch (it may keep state)
             todo[kind] = (unit, job)
     return list(todo.items()), skipped
 
