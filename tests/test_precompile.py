@@ -222,6 +222,8 @@ def _first_step(mode: str, tmp_path) -> dict:
     env["TRITON_CACHE_DIR"] = str(tmp_path / f"triton-{mode}")
     env["MUON_OFFLOAD_CACHE_DIR"] = str(tmp_path / f"tune-{mode}")
     env["MUON_OFFLOAD_AUTOTUNE"] = "0"  # the same configs in both runs, none timed
+    # plain: the step compiles its kernels itself (the engine's pass, first_compile.py, off)
+    env[precompile.ENV] = "0" if mode == "plain" else "1"
     done = subprocess.run(
         [sys.executable, "-c", _FIRST_STEP, mode],
         env=env,
