@@ -235,8 +235,12 @@ _FIRST_STEPS = textwrap.dedent(
     kw = json.loads(sys.argv[1])
     if kw.pop("int8", False):  # 8-bit from 4,096 elements: the small AdamW tensors stay fp32
         kw["state_dtype"] = torch.int8
+    if kw.pop("no_table", False):  # every key timed, as on a GPU the package has no table for
+        from muon_offload.kernels import _launch
+        _launch.TUNER._shipped.choice = lambda *args, **kwargs: None
     gen = torch.Generator().manual_seed(0)
     shapes = [(1000, 333), (1000, 333), (17, 4097), (4, 64, 96), (512, 1024)]
+    shapes = [tuple(s) for s in kw.pop("shapes", shapes)]
     mats = [torch.randn(s, generator=gen) for s in shapes]
     rest = [torch.randn(n, generator=gen) for n in (1000, 333, 5000)]
     params = [torch.nn.Parameter(t.cuda()) for t in mats + rest]
@@ -297,8 +301,12 @@ def test_a_fresh_machines_first_step_compiles_its_kernels_on_the_pool(tmp_path, 
 
 @pytest.mark.cuda
 def test_a_first_step_that_tunes_finds_every_candidate_compiled(tmp_path):
-    """With tuning on and an empty tuning cache: the keys the shipped table does not decide
-    are timed in the step, on candidates the pass compiled (every one)."""
-    on = _first_steps(tmp_path, "tune", MODELS[1], "1", tune=True)
+    """Tuning on, an empty tuning cache and no shipped table: every key is timed in the step,
+    on candidates the pass compiled (each of them), and the winner's launch on the step's own
+    sizes is compiled too where those sizes specialize as the class's do (multiples of 16;
+    an odd size's winner other than the first candidate compiles in the step)."""
+    shapes = [(1024, 512), (1024, 512), (48, 256, 512), (512, 1024)]
+    kw = dict(MODELS[1], shapes=shapes, no_table=True)
+    on = _first_steps(tmp_path, "tune", kw, "1", tune=True)
     outside = [t for t in on["compiles"] if not t.startswith("muon-offload-load")]
     assert on["compiles"] and not outside, f"{len(outside)} variants compiled outside the pool"
