@@ -2,7 +2,9 @@
 per-unit updates over the engine, and their launchers. A unit is a list of flat segments; the
 fused kernels (or their torch references off CUDA) update them in place. ``job.state`` holds one
 tensor list a key for dense state, and codes then scales a key for 8-bit state, in the order the
-dense and the 8-bit launchers take them: each update picks one by the unit's state format."""
+dense and the 8-bit launchers take them: each update picks one by the kernel family its state
+format declares (``_pick``); state of other formats reaches them decoded to fp32
+(``Algorithm.run``)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ class AdamWUpdate(Algorithm):
     name = "adamw"
     state_kinds = ("adam_m", "adam_v")
     counts_steps = True  # the bias corrections read each parameter's own count
+    kernels = ("dense", "int8")
 
     def scalars(self, hyper: Hyper, step: int, shape=None) -> tuple[float, ...]:
         h = hyper
@@ -26,7 +29,7 @@ class AdamWUpdate(Algorithm):
 
     def update(self, job: UnitJob) -> None:
         h = job.hyper
-        launch = adamw8_ if job.quantized else adamw_
+        launch = _pick(job, adamw_, adamw8_)
         numbers = dict(lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, step=job.step)
         _launch_unit(job, launch, weight_decay=h.weight_decay, **numbers)
 
@@ -34,6 +37,7 @@ class AdamWUpdate(Algorithm):
 class LionUpdate(Algorithm):
     name = "lion"
     state_kinds = ("momentum",)
+    kernels = ("dense", "int8")
 
     def scalars(self, hyper: Hyper, step: int, shape=None) -> tuple[float, ...]:
         return lion_scalars(hyper.lr, hyper.beta1, hyper.beta2, hyper.weight_decay)
@@ -43,9 +47,14 @@ class LionUpdate(Algorithm):
 
     def update(self, job: UnitJob) -> None:
         h = job.hyper
-        launch = lion8_ if job.quantized else lion_
+        launch = _pick(job, lion_, lion8_)
         numbers = dict(lr=h.lr, beta1=h.beta1, beta2=h.beta2)
         _launch_unit(job, launch, weight_decay=h.weight_decay, **numbers)
+
+
+def _pick(job: UnitJob, dense, int8):
+    """The launcher of the unit's state format's kernel family (``Algorithm.kernels``)."""
+    return int8 if job.fmt.kernels == "int8" else dense
 
 
 def _launch_unit(job: UnitJob, launch, **numbers) -> None:

@@ -246,12 +246,12 @@ def check_param_dtypes(group: dict, group_index: int) -> None:
             )
 
 
-def check_state_fits(group_index: int, param: Tensor, state: dict) -> None:
+def check_state_fits(group_index: int, param: Tensor, state: dict, fmt) -> None:
     """A parameter whose shape changed since its state was created (``p.data = ...``) would
-    be updated in part: refuse, and say how to start its state afresh."""
+    be updated in part: refuse, and say how to start its state afresh. ``fmt``: the state's
+    format, whose side tensors (8-bit scales) have a shape of their own."""
     for key, value in state.items():
-        # 8-bit scales have a shape of their own; codes and dense state the parameter's.
-        if isinstance(value, Tensor) and not key.endswith("_scales") and value.shape != param.shape:
+        if isinstance(value, Tensor) and not fmt.is_side(key) and value.shape != param.shape:
             raise ValueError(
                 f"{_where(group_index, param)}: its {key!r} state has shape "
                 f"{tuple(value.shape)}: the parameter changed shape since its state was "

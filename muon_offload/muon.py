@@ -34,6 +34,7 @@ class MuonUpdate(Algorithm):
     name = "muon"
     elementwise = False
     state_kinds = ("momentum",)
+    kernels = ("dense", "int8")  # the prep kernels of fp32 / bf16 and of 8-bit momentum
 
     def __init__(self, state_keys: tuple[str, ...], orthogonalizer):
         super().__init__(state_keys)
@@ -77,7 +78,8 @@ class MuonUpdate(Algorithm):
         # Per head: the global shape's head rows, so a shard of whole heads (dim 0 sharded)
         # is cut into its own heads.
         rows = h.num_heads and params[0].shape[0] // h.num_heads
-        if params[0].ndim == 2 and not h.flatten and not job.quantized and not rows:
+        int8 = job.fmt.kernels == "int8"  # 8-bit momentum: codes, then one row of scales a matrix
+        if params[0].ndim == 2 and not h.flatten and not int8 and not rows:
             # Each tensor is its one matrix (what ``_matrices`` gives, without a list a tensor).
             xs = params if job.plain else [local(p) for p in params]
             gs, ms, scales = job.grads, job.state[0], []
@@ -87,13 +89,13 @@ class MuonUpdate(Algorithm):
                 xs.extend(_matrices(local(p), h.flatten, rows))
                 gs.extend(_matrices(g, h.flatten, rows))
                 ms.extend(_matrices(m, h.flatten, rows))
-                if job.quantized:  # one row of block scales a matrix
+                if int8:  # one row of block scales a matrix
                     s = job.state[1][i]
                     scales.extend(s.unbind(0) if s.ndim == 2 else [s])
         if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
             return
         mu = h.mu if row is None else row[0:1]
-        if ms[0].numel() and job.quantized:
+        if ms[0].numel() and int8:
             update, sumsq = launch.muon_prep8(
                 job.backend, ms, scales, gs, mu=mu, nesterov=h.nesterov, grad_index=job.grad_index
             )

@@ -74,7 +74,7 @@ def _signature(algorithm, job) -> tuple:
     specs = tuple(
         tuple((tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16) for t in ts) for ts in lists
     )
-    return algorithm.name, job.quantized, specs
+    return algorithm.name, job.fmt, specs
 
 
 def _storages(opt, params) -> set[int]:

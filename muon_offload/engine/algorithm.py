@@ -16,6 +16,10 @@ from torch import Tensor
 from ..distributed import Mesh
 from ..hyper import Hyper
 from ..kernels._grad_index import GradIndex
+from .decoded import decoded_update
+from .state_format import Dense, StateFormat
+
+DENSE = Dense(torch.float32)
 
 # ``backend``: where the launches run. "auto": the Triton kernels for CUDA tensors, the torch
 # references elsewhere; "triton": the kernels everywhere (on the CPU under the Triton
@@ -55,7 +59,8 @@ class UnitJob:
     Python numbers of ``hyper``. ``grad_index``: on the Triton path, where the kernels read
     the gradients' addresses (this step's gradient table, ``engine/grad_table.py``): one row
     a piece of ``grads`` as ``Algorithm.grad_pieces`` cuts them, in order; None where the
-    launchers read the gradients' own addresses."""
+    launchers read the gradients' own addresses. ``state`` holds, for each key in turn, one
+    list a tensor of ``fmt.names(key)``."""
 
     group: int
     hyper: Hyper
@@ -68,7 +73,9 @@ class UnitJob:
     params: list[Tensor]
     grads: list[Tensor]
     state: list[list[Tensor]]
-    quantized: bool = False
+    # The state's format (``state_format.py``): which tensors ``state`` holds a key (one a
+    # key dense, codes then scales 8-bit) and the kernel family that steps them.
+    fmt: StateFormat = DENSE
     scalars: Tensor | None = None
     plain: bool = False  # no DTensor among the parameters: local(p) is p
     grad_index: GradIndex | None = None
@@ -89,6 +96,10 @@ class Algorithm:
     state_kinds: tuple[str, ...] = ()
     # The ``backend`` settings its launchers take (checked at construction: settings.py).
     backends: tuple[str, ...] = BACKENDS
+    # The state formats' kernel families (``StateFormat.kernels``) that ``update`` steps with
+    # kernels of its own; state of any other format is decoded around the dense update
+    # (``run``, ``decoded.py``).
+    kernels: tuple[str, ...] = ("dense",)
 
     def __init__(self, state_keys: tuple[str, ...]):
         self.state_keys = tuple(state_keys)
@@ -126,6 +137,13 @@ class Algorithm:
         """What of a group's settings the launches take as constants (compile-time flags, host
         choices): a captured graph holds them, and is captured again when they change."""
         return ()
+
+    def run(self, job: UnitJob) -> Iterator[None] | None:
+        """What the engine calls: ``update``, or ``update`` on decoded state where the unit's
+        format has no kernels here (``decoded.py``)."""
+        if job.fmt.kernels in self.kernels:
+            return self.update(job)
+        return decoded_update(self, job)
 
     def update(self, job: UnitJob) -> Iterator[None] | None:
         """Update the unit's weights and state in place. A generator (yielding while a

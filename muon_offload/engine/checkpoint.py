@@ -4,8 +4,9 @@ tensors, and copies of an optimizer (``copy.deepcopy``, ``pickle``, ``torch.save
 Everything is checked before anything is written: a state dict that does not fit raises
 ``ValueError`` with the optimizer exactly as it was (8-bit state included: codes of each state
 kind's dtype, scales of the layout the loaded groups give, in the live state as in the loaded
-one). Host slabs stay where they are; loaded values are copied into them (or into resident
-state), converting dtype and device. Each parameter's step count (``step_counts.py``) is saved
+one; each format names, checks and converts its own tensors: ``state_format.py``). Host slabs
+stay where they are; loaded values are copied into them (or into resident state), converting
+dtype, device and format. Each parameter's step count (``step_counts.py``) is saved
 beside its state, under torch's AdamW key ``step`` or dion's ``step_dev``, and loaded from
 either (from the group's ``step`` where a checkpoint has neither, as dion loads).
 """
@@ -25,6 +26,7 @@ from ..muon_shapes import matrix_count
 from . import graphs
 from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims
+from .state_format import Dense, StateFormat, StatePolicy
 from .step_counts import loaded_counts
 
 # State may arrive in any of the dtypes our, dion's or torch's optimizers keep it in; others
@@ -95,26 +97,32 @@ def check_groups(param_groups: list[dict], saved_groups: list[dict]) -> list[dic
     ]
 
 
+# A loaded key: its format and tensors (one dense; codes and scales for 8-bit), local.
+Entry = tuple[StateFormat, tuple[Tensor, ...]]
+
+
 def check_state(
     param_groups: list[dict],
     saved_groups: list[dict],
     saved_state: Mapping,
     hypers: Sequence[Hyper],
     algorithms: dict,
-    scales_shape: Callable[[int, Tensor], torch.Size] | None = None,
-) -> dict[Tensor, dict[str, tuple[Tensor, ...]]]:
+    formats: Callable[[Tensor], Sequence[StateFormat]],
+    matrices: Callable[[int, Tensor], int] | None = None,
+) -> dict[Tensor, dict[str, Entry]]:
     """Map each saved entry to its live parameter and check it holds every state key of its
-    group's algorithm: dense (``key``: the parameter's shape, a floating dtype) or 8-bit
-    (``key_codes`` in the parameter's shape, of the dtype of the key's kind; ``key_scales``
-    fp32, of the shape ``scales_shape(group, p)`` gives: this rank's blocks under the loaded
-    groups, cut out of their rank-major row for a DTensor parameter, sharded_scales.py).
-    Returns live parameter -> {key: (dense,) or (codes, scales)}, local tensors."""
+    group's algorithm: dense (``key``: the parameter's shape, a floating dtype) or one of
+    ``formats(p)`` (its ``names(key)``, the first in the parameter's shape, of the dtypes the
+    format accepts; side tensors, such as 8-bit scales, of the shape the format gives this
+    rank's shard with ``matrices(group, p)`` matrices under the loaded groups, cut out of their
+    rank-major row for a DTensor parameter, sharded_scales.py).
+    Returns live parameter -> {key: (its format, its tensors)}, local tensors."""
     owner = {
         saved_id: (gi, p)
         for gi, (ours, saved) in enumerate(zip(param_groups, saved_groups, strict=True))
         for saved_id, p in zip(saved["params"], ours["params"], strict=True)
     }
-    loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]] = {}
+    loaded: dict[Tensor, dict[str, Entry]] = {}
     listed = _listed(saved_groups)
     for saved_id, values in saved_state.items():
         if names_no_parameter(saved_id, listed):  # a hook's own (``carried``)
@@ -123,13 +131,38 @@ def check_state(
             raise ValueError(f"loaded state names parameter {saved_id!r}, which no group lists")
         gi, p = owner[saved_id]
         where = f"param group {gi} (parameter of shape {tuple(p.shape)})"
-        mine = partial(scales_shape, gi, p) if scales_shape else None
+        count = matrices(gi, p) if matrices else None
         algorithm = algorithms[hypers[gi].algorithm]
         loaded[p] = {
-            key: _checked_entry(values, key, kind, p, where, mine)
+            key: _checked_entry(values, key, kind, p, where, formats(p), count)
             for key, kind in zip(algorithm.state_keys, algorithm.state_kinds, strict=True)
         }
     return loaded
+
+
+def _entry_format(values: Mapping, key: str, kind: str, formats, where: str) -> StateFormat:
+    """The first of ``formats`` whose tensors of ``key`` the entry holds and that accepts them
+    (else the first one's complaint), or dense."""
+    refused = None
+    for fmt in formats:
+        tensors = tuple(values.get(name) for name in fmt.names(key))
+        if not all(isinstance(t, Tensor) for t in tensors):
+            continue
+        try:
+            fmt.accepts(tensors, key, kind, where)
+            return fmt
+        except ValueError as e:
+            refused = refused or e
+    if refused is not None:
+        raise refused
+    value = values.get(key)
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{where}: loaded state {key!r} is missing")
+    if value.dtype not in LOADABLE_DTYPES:
+        raise ValueError(
+            f"{where}: loaded state {key!r} is {value.dtype}; expected one of {LOADABLE_DTYPES}"
+        )
+    return Dense(value.dtype)
 
 
 def _checked_entry(
@@ -138,75 +171,74 @@ def _checked_entry(
     kind: str,
     p: Tensor,
     where: str,
-    scales_shape: Callable[[], torch.Size] | None = None,
-) -> tuple[Tensor, ...]:
-    codes, scales = values.get(f"{key}_codes"), values.get(f"{key}_scales")
-    if isinstance(codes, Tensor) and isinstance(scales, Tensor):
-        from ..kernels.quant_maps import CODE_DTYPES  # imported only where 8-bit state is used
-
-        if codes.dtype != CODE_DTYPES[kind] or scales.dtype != torch.float32:
-            raise ValueError(
-                f"{where}: loaded 8-bit state {key!r} has codes {codes.dtype} and scales "
-                f"{scales.dtype}; expected {CODE_DTYPES[kind]} codes and float32 scales"
-            )
-        tensors = (codes, scales)
-    else:
-        value = values.get(key)
-        if not isinstance(value, Tensor):
-            raise ValueError(f"{where}: loaded state {key!r} is missing")
-        if value.dtype not in LOADABLE_DTYPES:
-            raise ValueError(
-                f"{where}: loaded state {key!r} is {value.dtype}; expected one of {LOADABLE_DTYPES}"
-            )
-        tensors = (value,)
+    formats: Sequence[StateFormat],
+    matrices: int | None = None,
+) -> Entry:
+    fmt = _entry_format(values, key, kind, formats, where)
+    names = fmt.names(key)
+    tensors = tuple(values[name] for name in names)
     first = tensors[0]
     if tuple(first.shape) != tuple(p.shape) or local(first).shape != local(p).shape:
         raise ValueError(
             f"{where}: loaded state {key!r} has shape {tuple(first.shape)}, not the parameter's"
         )
-    if len(tensors) == 2:  # a sharded parameter's scales come rank-major (sharded_scales.py)
-        scales = strip_rank_dims(tensors[1], f"{where}, {key!r}")
-        if scales_shape is not None:
-            expected = scales_shape()
+    expected = {}
+    if matrices is not None:
+        expected = {n: shape for n, shape, _ in fmt.specs(key, local(p).shape, kind, matrices)}
+    out = []
+    for name, t in zip(names, tensors, strict=True):
+        if not fmt.is_side(name):
+            out.append(local(t))
+            continue
+        # A sharded parameter's side tensors come rank-major (sharded_scales.py).
+        t = strip_rank_dims(t, f"{where}, {key!r}")
+        if name in expected:
             if isinstance(p, DTensor):
-                scales = crop(scales, expected, f"{where}, {key!r}")
-            if tuple(scales.shape) != tuple(expected):
+                t = crop(t, expected[name], f"{where}, {key!r}")
+            if tuple(t.shape) != tuple(expected[name]):
                 raise ValueError(
-                    f"{where}: loaded 8-bit scales of {key!r} have shape "
-                    f"{tuple(scales.shape)}, not {tuple(expected)} (one a block of 256 "
-                    "elements, a row a matrix of a stack unless the group flattens it): "
-                    "truncated, or saved from another layout"
+                    f"{where}: loaded {fmt.label} scales of {key!r} have shape "
+                    f"{tuple(t.shape)}, not {tuple(expected[name])} (one a block of "
+                    f"{fmt.block} elements, a row a matrix of a stack unless the group "
+                    "flattens it): truncated, or saved from another layout"
                 )
-        return local(tensors[0]), scales
-    return tuple(local(t) for t in tensors)
+        out.append(t)
+    return fmt, tuple(out)
 
 
 def check_live_layout(opt, hypers: Sequence[Hyper]) -> list[Tensor]:
-    """The live 8-bit scales must be laid out as the loaded groups lay them out: a load that
-    changes a group's ``flatten`` cannot re-cut the blocks of a stack whose 8-bit state
-    holds values. State as created (no step or load since: ``StateStore.pristine``) is made
-    afresh instead, as if it did not exist yet: returned, those parameters."""
+    """The live side tensors (8-bit scales) must be laid out as the loaded groups lay them
+    out: a load that changes a group's ``flatten`` cannot re-cut the blocks of a stack whose
+    8-bit state holds values. State as created (no step or load since:
+    ``StateStore.pristine``) is made afresh instead, as if it did not exist yet: returned,
+    those parameters."""
     afresh = []
     for gi, p in opt._params():
-        fmt = opt._store.formats.get(p)
-        if fmt is None or not fmt.quantized:
+        fmt, state = opt._store.formats.get(p), opt.state.get(p, {})
+        if fmt is None:
             continue
-        expected = tuple(expected_scales_shape(opt, hypers[gi], p))
-        for name, t in opt.state.get(p, {}).items():
-            if name.endswith("_scales") and tuple(local(t).shape) != expected:
-                if p in opt._store.pristine:
-                    afresh.append(p)
-                    break
-                raise ValueError(
-                    f"param group {gi} (parameter of shape {tuple(p.shape)}): its 8-bit state "
-                    f"has scales of shape {tuple(local(t).shape)}, the loaded group "
-                    f"(flatten={hypers[gi].flatten}) lays them out as {expected}; load the "
-                    "checkpoint into an optimizer whose group has the same flatten"
-                )
+        algorithm = opt.algorithms[hypers[gi].algorithm]
+        count = loaded_matrices(opt, hypers[gi], p)
+        specs = StatePolicy.specs(
+            fmt, local(p).shape, algorithm.state_keys, algorithm.state_kinds, count
+        )
+        for name, shape, _ in specs:
+            t = state.get(name)
+            if not fmt.is_side(name) or t is None or local(t).shape == shape:
+                continue
+            if p in opt._store.pristine:
+                afresh.append(p)
+                break
+            raise ValueError(
+                f"param group {gi} (parameter of shape {tuple(p.shape)}): its {fmt.label} "
+                f"state has scales of shape {tuple(local(t).shape)}, the loaded group "
+                f"(flatten={hypers[gi].flatten}) lays them out as {tuple(shape)}; load the "
+                "checkpoint into an optimizer whose group has the same flatten"
+            )
     return afresh
 
 
-def detach_aliases(loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]], state: dict) -> None:
+def detach_aliases(loaded: dict[Tensor, dict[str, Entry]], state: dict) -> None:
     """Copy loaded tensors that share memory with live state (our own ``state_dict()``
     reloaded, perhaps with entries swapped): copying one into place would change another
     before it is read."""
@@ -218,55 +250,47 @@ def detach_aliases(loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]], state: d
         if isinstance(t, Tensor)
     }
     for entry in loaded.values():
-        for key, tensors in entry.items():
-            entry[key] = tuple(
-                t.clone() if t.untyped_storage().data_ptr() in live else t for t in tensors
+        for key, (fmt, tensors) in entry.items():
+            entry[key] = (
+                fmt,
+                tuple(t.clone() if t.untyped_storage().data_ptr() in live else t for t in tensors),
             )
 
 
-def copy_state(opt, loaded: dict[Tensor, dict[str, tuple[Tensor, ...]]]) -> None:
-    """Write loaded values into the live state tensors, converting between dense and 8-bit
-    state where the formats differ; state not in the dict is zeroed."""
+def copy_state(opt, loaded: dict[Tensor, dict[str, Entry]]) -> None:
+    """Write loaded values into the live state tensors, converting between formats (through
+    fp32: ``StateFormat.to_dense`` / ``from_dense``) where they differ; state not in the dict
+    is zeroed."""
     for gi, p in opt._params():
         algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
         fmt = opt._store.formats[p]
         live = opt.state[p]
         for key, kind in zip(algorithm.state_keys, algorithm.state_kinds, strict=True):
-            targets = [local(live[name]) for name in fmt.names(key)]
+            targets = tuple(local(live[name]) for name in fmt.names(key))
             if p not in loaded:
                 for t in targets:
                     t.zero_()
                 continue
-            source = loaded[p][key]
-            if len(source) == len(targets):  # the same format: copy (casting dense dtypes)
+            source_fmt, source = loaded[p][key]
+            if fmt.same_layout(source_fmt):  # copy (casting dense dtypes)
                 for t, v in zip(targets, source, strict=True):
                     t.copy_(v)
-            elif fmt.quantized:  # dense into 8-bit
-                codes, scales = fmt.encode(source[0], kind, targets[1].shape)
-                targets[0].copy_(codes)
-                targets[1].copy_(scales)
-            else:  # 8-bit into dense
-                targets[0].copy_(_decode(*source, kind))
+            else:
+                fmt.from_dense(source_fmt.to_dense(source, kind), kind, targets)
 
 
-def _int8():
-    from ..kernels import quant_maps  # imported only where 8-bit state is used
-    from .state_format import Int8
-
-    return Int8(quant_maps.QBLOCK)
-
-
-def _decode(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
-    return _int8().decode(codes, scales, kind)
+def loaded_matrices(opt, hyper: Hyper, p: Tensor) -> int:
+    """How many matrices ``p``'s state counts blocks over on this rank in a group read as
+    ``hyper``: a Muon stack's, unless it flattens; 1 for element-wise groups."""
+    if opt.algorithms[hyper.algorithm].elementwise:
+        return 1
+    return matrix_count(local(p).shape, hyper.flatten)
 
 
-def expected_scales_shape(opt, hyper: Hyper, p: Tensor) -> torch.Size:
-    """The 8-bit scales of one state key of ``p`` on this rank (its local shard's blocks) in a
-    group read as ``hyper``: one row a matrix of a Muon stack, unless it flattens."""
-    shape = local(p).shape
-    elementwise = opt.algorithms[hyper.algorithm].elementwise
-    matrices = 1 if elementwise else matrix_count(shape, hyper.flatten)
-    return _int8().scales_shape(shape, matrices)
+def loadable_formats(opt, p: Tensor) -> tuple[StateFormat, ...]:
+    """The formats a loaded entry of ``p`` may hold besides dense: its own, then the policy's."""
+    formats = (opt._format(p), *opt._policy.loadable())
+    return tuple(f for f in dict.fromkeys(formats) if not isinstance(f, Dense))
 
 
 class CheckpointMixin:
@@ -306,7 +330,8 @@ class CheckpointMixin:
             saved_state,
             hypers,
             self.algorithms,
-            lambda gi, p: expected_scales_shape(self, hypers[gi], p),
+            partial(loadable_formats, self),
+            lambda gi, p: loaded_matrices(self, hypers[gi], p),
         )
         counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
         counts = loaded_counts(self.param_groups, saved_groups, saved_state, counted)
@@ -372,7 +397,7 @@ class CheckpointMixin:
         algorithms = [self.algorithms[h.algorithm] for h in hypers]
         loaded = {
             p: {
-                key: _checked_entry(values[p], key, kind, p, "copy")
+                key: _checked_entry(values[p], key, kind, p, "copy", loadable_formats(self, p))
                 for key, kind in zip(
                     algorithms[gi].state_keys, algorithms[gi].state_kinds, strict=True
                 )

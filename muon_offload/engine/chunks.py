@@ -23,6 +23,7 @@ from ..hyper import Hyper, StepWork
 from ..kernels._grad_index import GradIndex
 from .algorithm import Algorithm, UnitJob
 from .planner import Chunk, Matrices, MatrixUnit, Unit, unit_params
+from .state_format import StateFormat
 
 _grad = attrgetter("grad")
 
@@ -32,7 +33,7 @@ class StepContext:
     """What every chunk of one step reads."""
 
     state: dict  # the optimizer's state: parameter -> {name: tensor}
-    formats: dict  # parameter -> its state's format (state_format.Dense / Int8)
+    formats: dict  # parameter -> its state's format (state_format.StateFormat)
     work: StepWork  # (group index, parameter) of each planned parameter, as checked
     hypers: Sequence[Hyper]
     steps: Sequence[int]  # each group's step count, this step included
@@ -110,7 +111,7 @@ class UnitLayout:
     spans: tuple[Span, ...]  # each item's part of its parameter (unit_items)
     state_range: tuple[int, int]  # the unit's range in its chunk's state list
     nkeys: int  # state tensors per item: one a key, or codes and scales
-    quantized: bool
+    fmt: StateFormat  # the items' state format (a unit's parameters share one)
     plain: bool  # no DTensor among the parameters: local(p) is p
     # A resident unit's state as ``UnitJob.state`` takes it (key by key); None when streamed.
     resident_state: tuple[tuple[Tensor, ...], ...] | None
@@ -171,7 +172,7 @@ def chunk_layout(
                 spans=tuple(span for _, span in items),
                 state_range=(start, stop),
                 nkeys=nkeys,
-                quantized=formats[first].quantized,
+                fmt=formats[first],
                 plain=not any(isinstance(p, DTensor) for p, _ in items),
                 resident_state=unit_state,
                 step_item=step_item,
@@ -220,7 +221,7 @@ def _job(
         params=params,
         grads=grads,
         state=u.job_state(tensors),
-        quantized=u.quantized,
+        fmt=u.fmt,
         scalars=scalars,
         plain=u.plain,
         grad_index=grad_index,
@@ -250,7 +251,7 @@ def run_chunk(
         unit = units[k]
         row = None if scalars is None else scalars[k]
         index = None if grads is None else grads[k]
-        running = unit.algorithm.update(_job(ctx, unit, views, row, index))
+        running = unit.algorithm.run(_job(ctx, unit, views, row, index))
         if running is not None:
             yield from running
         done.append(k)

@@ -141,7 +141,7 @@ def _kind(unit: UnitLayout, job: UnitJob, device: torch.device) -> tuple:
     algorithm = unit.algorithm
     lists = tuple(tuple(map(_spec, tensors)) for tensors in _lists(job))
     baked = algorithm.baked(job.hyper)
-    return (device, type(algorithm), algorithm.name, baked, job.backend, job.quantized, lists)
+    return (device, type(algorithm), algorithm.name, baked, job.backend, job.fmt, lists)
 
 
 def _scratch_list(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
@@ -171,7 +171,7 @@ def _scratch_job(job: UnitJob, device: torch.device) -> UnitJob:
         params=params,
         grads=grads,
         state=state,
-        quantized=job.quantized,
+        fmt=job.fmt,
         scalars=scalars,
         plain=True,
         grad_index=None,  # a table of the scratch gradients' own addresses
@@ -179,7 +179,7 @@ def _scratch_job(job: UnitJob, device: torch.device) -> UnitJob:
 
 
 def _run(unit: UnitLayout, job: UnitJob) -> None:
-    running = unit.algorithm.update(job)
+    running = unit.algorithm.run(job)
     if running is not None:  # a local unit's generator yields for no collective
         for _ in running:
             pass

@@ -57,7 +57,6 @@ from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
 from .sharded_scales import HandedScales
 from .state import StateMixin, StateStore
-from .state_format import StatePolicy
 from .step_counts import StepCounts, split_by_count
 
 log = logging.getLogger(__name__)
@@ -152,7 +151,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self._store = StateStore()
         self._counts = StepCounts()  # each parameter's count of the steps that updated it
         self._handed_scales = HandedScales()  # 8-bit rows state_dict() copied (sharded_scales)
-        self._policy = StatePolicy(settings.state_dtype)
+        self._policy = self.state_policy(settings.state_dtype)
         self._scheduler: StreamScheduler | None = None
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
         self._grad_table: GradTable | None = None  # the step's gradient addresses (Triton path)
@@ -255,7 +254,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             work.shapes, work.dtypes = found[0][1], found[0][2]
             return found[1][:4]
         for gi, p in work:
-            check_state_fits(gi, p, self.state[p])
+            check_state_fits(gi, p, self.state[p], self._format(p))
         infos = [
             self._param_info(i, gi, p, hypers[gi], p not in self._streamed, grad_dtype)
             for i, ((gi, p), grad_dtype) in enumerate(zip(work, work.grad_dtypes, strict=True))

@@ -155,14 +155,25 @@ def lay_out(opt, state_dict: dict) -> dict:
     state = state_dict["state"]
     for i, (gi, p) in enumerate(opt._params()):
         fmt = opt._store.formats.get(p)
-        if not isinstance(p, DTensor) or fmt is None or not fmt.quantized or i not in state:
+        if not isinstance(p, DTensor) or fmt is None or i not in state:
             continue
         largest = largest_shard_shape(p)
-        padded = fmt.scales_shape(largest, opt._matrix_count(gi, largest))
+        algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
+        keys, kinds = algorithm.state_keys, algorithm.state_kinds
+        count = opt._matrix_count(gi, largest)
+        # The side tensors' shapes for the largest shard (``StateFormat.is_side``).
+        padded = {
+            name: shape
+            for key, kind in zip(keys, kinds, strict=True)
+            for name, shape, _ in fmt.specs(key, largest, kind, count)
+            if fmt.is_side(name)
+        }
+        if not padded:
+            continue
         entry = dict(state[i])
         for name, value in entry.items():
-            if name.endswith("_scales"):
-                entry[name] = laid = rank_major(local(value), p, padded)
+            if name in padded:
+                entry[name] = laid = rank_major(local(value), p, padded[name])
                 row, lead = local(laid), len(_sharded_mesh_dims(p))
                 if row.untyped_storage().data_ptr() != local(value).untyped_storage().data_ptr():
                     opt._handed_scales.add(row, local(value), lead)  # a copy, not the live one

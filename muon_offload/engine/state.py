@@ -22,7 +22,7 @@ from .assigned_state import HeldState
 from .host_slabs import HostSlabs
 from .planner import plan_step, unit_params
 from .sharded_scales import check_placements
-from .state_format import StatePolicy
+from .state_format import StateFormat, StatePolicy
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class NewState:
     """One parameter whose state is to be created."""
 
     param: Tensor
-    fmt: object  # state_format.Dense or Int8
+    fmt: StateFormat
     specs: list  # (name, shape, dtype) of each tensor, in allocation order
     streamed: bool
 
@@ -104,7 +104,7 @@ class StateStore:
                 continue
             device = local(p).device
             made = {
-                name: like_param(torch.zeros(shape, dtype=dtype, device=device), p, name)
+                name: like_param(torch.zeros(shape, dtype=dtype, device=device), p, entry.fmt, name)
                 for name, shape, dtype in entry.specs
             }
             state[p].update(made)
@@ -118,25 +118,21 @@ class StateStore:
         owners = [e.param for e in streamed for _ in e.specs]
         tensors = iter(self.host.allocate(specs, owners))
         for e in streamed:
-            made = {name: like_param(next(tensors), e.param, name) for name, _, _ in e.specs}
+            made = {name: like_param(next(tensors), e.param, e.fmt, name) for name, _, _ in e.specs}
             state[e.param].update(made)
             self.held.keep(e.param, made)
 
 
-def like_param(state: Tensor, param: Tensor, name: str = "") -> Tensor:
+def like_param(state: Tensor, param: Tensor, fmt: StateFormat, name: str) -> Tensor:
     """State of a DTensor parameter is a DTensor of the same layout around this rank's
     tensor (on the GPU or in the host slabs); the engine itself works on the local tensor.
-    8-bit scales (one a block of this rank's shard) stay local tensors: ``state_dict()``
-    lays them out for distributed checkpoints (``sharded_scales.py``).
+    A format's side tensors (8-bit scales: one a block of this rank's shard) stay local
+    tensors: ``state_dict()`` lays them out for distributed checkpoints (``sharded_scales.py``).
 
     Built as FSDP2 builds its CPU-offloaded shards (``_from_local_no_grad``), not with
     ``DTensor.from_local``: that one moves a host tensor to the mesh's device type, which
     would put offloaded state back on the GPU."""
-    if (
-        not isinstance(param, DTensor)
-        or name.endswith("_scales")
-        or state.shape != local(param).shape
-    ):
+    if not isinstance(param, DTensor) or fmt.is_side(name) or state.shape != local(param).shape:
         return state
     return dtensor_around(state, param)
 
@@ -144,6 +140,10 @@ def like_param(state: Tensor, param: Tensor, name: str = "") -> Tensor:
 class StateMixin:
     """The state-creation methods of ``ChunkedOptimizer``: each parameter's format, its
     budget, and creating what is missing in plan order."""
+
+    # Chooses each parameter's state format (``StatePolicy``); a subclass may name another
+    # policy, whose formats are new ones (docs/design.md, "State formats").
+    state_policy = StatePolicy
 
     def _format(self, p: Tensor):
         """The format of ``p``'s state: as created, or as it would be created now."""
@@ -189,8 +189,8 @@ class StateMixin:
         return 1 if isinstance(p, DTensor) else self._matrix_count(gi, p.shape)
 
     def _check_quantizable(self, gi: int) -> None:
-        """8-bit state of DTensor parameters: Shard and Replicate placements only."""
-        if self.state_dtype == torch.int8:
+        """Block-scaled state of DTensor parameters: Shard and Replicate placements only."""
+        if self._policy.block_scaled():
             check_placements(self.param_groups[gi]["params"], gi)
 
     def _new_state(self, p: Tensor, hyper: Hyper, streamed: bool) -> NewState:
