@@ -1,5 +1,6 @@
-"""How one parameter's state is stored: dense (one tensor a key), or 8-bit (codes and one
-fp32 scale per block of ``block`` elements, a pair a key).
+"""How one parameter's state is stored: dense (one tensor a key), or block-scaled (codes and
+one fp32 scale per block of ``block`` elements, a pair a key: 8-bit, ``Int8``), or any format
+a ``StatePolicy`` subclass chooses (docs/design.md, "State formats").
 
 The format owns what the rest of the engine must not guess: the tensors a key needs and their
 shapes (``specs``), the bytes an element costs (for budgets), where element-wise cuts may fall
