@@ -21,7 +21,8 @@ class AdamW(ChunkedOptimizer):
     ``step`` counts ``step()`` calls. ``offload``, ``chunk_bytes``,
     ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype``, ``backend`` and
     ``cuda_graph`` (``"auto"``: capture the step as a CUDA graph where it can run and replay
-    it; the bias correction and learning rate still change every step) are as for ``Muon``.
+    it; the bias correction and learning rate still change every step) and ``prefetch`` are
+    as for ``Muon``.
 
     Checkpoints go both ways with ``torch.optim.AdamW``: ``state_dict()`` carries torch's
     per-parameter ``step`` (a float32 tensor) and ``load_state_dict`` reads it; a torch state
@@ -51,6 +52,7 @@ class AdamW(ChunkedOptimizer):
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
         cuda_graph: bool | str = "auto",
+        prefetch: bool = True,
     ):
         defaults = dict(
             lr=lr,
@@ -76,6 +78,7 @@ class AdamW(ChunkedOptimizer):
             state_dtype=state_dtype,
             backend=backend,
             cuda_graph=cuda_graph,
+            prefetch=prefetch,
         )
 
     def _read_hyper(self, group: dict, index: int) -> Hyper:

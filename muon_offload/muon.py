@@ -198,6 +198,9 @@ class Muon(ChunkedOptimizer):
             other steps run eagerly. ``True``: the same, but refuses what it cannot capture;
             ``False``: never. The graph's memory pool (about one step's temporaries) is kept
             from the caching allocator; see docs/usage.md ("CUDA graphs").
+        prefetch: with offload, the first gradient accumulated in backward starts loading the
+            next step's first chunks of state (``prefetch()``; default True; eager CUDA steps
+            only: a CUDA graph runs its own loads). ``False``: no hooks.
     """
 
     # dion's key for a parameter's step count (its adamw groups' ``state[p]["step_dev"]``).
@@ -229,6 +232,7 @@ class Muon(ChunkedOptimizer):
         state_dtype: torch.dtype | None = None,
         backend: str = "auto",
         cuda_graph: bool | str = "auto",
+        prefetch: bool = True,
     ):
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
@@ -279,6 +283,7 @@ class Muon(ChunkedOptimizer):
             backend=backend,
             distributed_mesh=distributed_mesh,
             cuda_graph=cuda_graph,
+            prefetch=prefetch,
         )
 
     @property

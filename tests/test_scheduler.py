@@ -193,7 +193,9 @@ class _Cuda:
         self.log: list[_Node] = []
         self.compute = _Stream(self.log, "compute")
         self.current = self.compute
+        self.capturing = False  # what torch.cuda.is_current_stream_capturing says
         monkeypatch.setattr(torch.cuda, "Event", _Event)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
         monkeypatch.setattr(torch.cuda, "stream", self._stream)
 
@@ -234,7 +236,8 @@ def _before(a: _Node, b: _Node) -> bool:
 def _run_steps(cuda, sched, transfers, side, steps=2):
     """Run ``steps`` steps of ``transfers`` (update i changes chunk i - 1's tensors as
     ``_expected`` does, a resident chunk 0 before them); check that each step's waits name only
-    events recorded in it (what a CUDA graph capture needs) and that every update ran with the
+    events recorded in it (what a CUDA graph capture needs; outside a capture, also the ends of
+    the store streams the last step left running) and that every update ran with the
     stream that queued its marks current. Return per step the marks by (chunk, stage); each
     update's stream and the node it queued there (its kernel), by chunk; and a node queued on
     the compute stream before the step and one after."""
@@ -254,8 +257,9 @@ def _run_steps(cuda, sched, transfers, side, steps=2):
 
         sched.run(transfers, update, side)
         after = cuda.compute._add()  # what follows the step
-        for s in cuda.streams(sched):
-            assert all(w.deps[-1].index >= start for w in s.waits)  # events of this step only
+        left = () if cuda.capturing else ("d2h", "side_d2h")
+        for s in cuda.streams(sched):  # events of this step only, or the last step's stores
+            assert all(w.deps[-1].index >= start or w.deps[-1].stream in left for w in s.waits)
         step = {(c, stage): (a.node, b.node) for c, stage, a, b in marks}
         for c, (stream, _) in ran_on.items():
             if (c, "update") in step:
@@ -264,18 +268,22 @@ def _run_steps(cuda, sched, transfers, side, steps=2):
     return out
 
 
+@pytest.mark.parametrize("capturing", [False, True])
 @pytest.mark.parametrize("ring", [2, 3])
 @pytest.mark.parametrize("pattern", ["none", "alternate", "runs", "all"])
-def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pattern):
+def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pattern, capturing):
     """The CUDA path on stand-in streams and events: the dependency graph it queues orders,
     within a step, each load after its own chunk's earlier sharers' stores (whichever lane
     stored them), each update after its load and each store after its update, and, across
     steps, every load after the last step's stores and updates; every update follows what the
-    compute stream queued before the step, and what it queues after follows every update and
-    store. Chunks marked ``side`` (with ``pattern``; a resident one among them) update on the
-    side stream and store on the side d2h stream, the others on the compute and d2h streams.
+    compute stream queued before the step, and what it queues after follows every update,
+    and every store only under a graph capture (eager steps leave their stores running under
+    what follows, prefetch.py). Chunks marked ``side`` (with ``pattern``; a resident one among
+    them) update on the side stream and store on the side d2h stream, the others on the
+    compute and d2h streams.
     Ring 2: neighbours share bytes, so a load is queued only after the store it waits for."""
     cuda = _Cuda(monkeypatch)
+    cuda.capturing = capturing
     sizes = [5000, 700, 64, 1300, 5000, 900, 2000, 3333, 100, 5000, 64]
     slab, tensors, transfers = _chunks(sizes)
     want = _expected(_expected(tensors))
@@ -304,7 +312,8 @@ def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pat
             assert _before(step[c, "load"][1], step[c, "update"][0])
             assert _before(step[c, "update"][1], step[c, "store"][0])
             assert _before(before, step[c, "update"][0])
-            assert _before(step[c, "store"][1], after)
+            assert _before(step[c, "update"][1], after)
+            assert _before(step[c, "store"][1], after) == capturing or c < len(sizes) - 2
             for j in range(k):
                 if _overlap(ranges[j], ranges[k]):
                     assert _before(step[j + 1, "store"][1], step[c, "load"][0]), (j, k)

@@ -375,6 +375,7 @@ class CheckpointMixin:
             self.state_dtype,
             self.backend,
             self.cuda_graph,
+            self._auto_prefetch,
         )
         # The counts of parameters with state (one whose state was dropped starts afresh).
         counts = {p: self._counts.get(p) for _, p in self._params() if self.state.get(p)}

@@ -21,7 +21,9 @@ class ToolsSurface:
         return self._store.host.nbytes if self._store.host is not None else 0
 
     def host_buffers(self) -> list[Tensor]:
-        """The host buffers (uint8) that hold streamed state, for reading it all at once."""
+        """The host buffers (uint8) that hold streamed state, for reading it all at once (after
+        the last step's write-backs landed)."""
+        self._synchronize()
         return list(self._store.host.slabs) if self._store.host is not None else []
 
     @property

@@ -52,6 +52,7 @@ from .graphs import GraphMixin, StepGraphs
 from .interrupt import interrupted
 from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, elementwise_only, plan_step
+from .prefetch import PrefetchMixin
 from .scalars import ScalarTable, scalar_table
 from .scheduler import StreamScheduler, Transfer, plan_transfer
 from .settings import Settings
@@ -89,7 +90,9 @@ class PlanCache(dict[tuple, PlanEntry]):
         super().clear()
 
 
-class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Optimizer):
+class ChunkedOptimizer(
+    StateMixin, CheckpointMixin, ToolsSurface, PrefetchMixin, GraphMixin, Optimizer
+):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -108,6 +111,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         backend: str,
         distributed_mesh=None,
         cuda_graph: bool | str = "auto",
+        prefetch: bool = True,
     ):
         settings = Settings.check(
             offload=offload,
@@ -117,6 +121,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             state_dtype=state_dtype,
             backend=backend,
             cuda_graph=cuda_graph,
+            prefetch=prefetch,
             backends=common_backends(self.algorithms.values()),
         )
         mesh = resolve_mesh(distributed_mesh)
@@ -141,6 +146,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
         self.state_dtype = settings.state_dtype
         self.backend = settings.backend
         self.cuda_graph = settings.cuda_graph
+        self._auto_prefetch = settings.prefetch  # prefetch() from backward (prefetch.py)
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
         self._ungraphed_steps = 0  # steps run eagerly outside ``_graphs`` (graph_stats)
         # Why "auto" keeps every step eager (a mesh or DTensor parameters), None if nothing.
@@ -224,11 +230,6 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, ToolsSurface, GraphMixin, Op
             unit_key=fmt,
             matrices=self._cut_matrices(group, p, hyper),
         )
-
-    def _synchronize(self) -> None:
-        """Wait for in-flight write-backs, so host state can be read by the CPU."""
-        if self._streamed and self._scheduler is not None and self._scheduler.cuda:
-            torch.cuda.current_stream(self._scheduler.device).synchronize()
 
     # --------------------------------------------------------------- planning
 
@@ -359,6 +360,7 @@ def _groups_added(opt: ChunkedOptimizer) -> None:
     check_ranks_agree(opt.param_groups, opt._mesh_of)
     opt._agreements.add(opt.param_groups, opt._mesh_of)
     opt._ensure_state(opt._hypers())
+    opt._hook_prefetch()
 
 
 def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:

@@ -21,12 +21,16 @@ events only (no host sync inside a step): its streams first wait for what the co
 has queued (the step's gradients and scalar table, the previous step); a chunk's update waits
 for its load, its store for its update (on whichever stream ran it), a load for the stores of
 the earlier chunks whose staging bytes it overwrites (the latest of each lane: a lane's
-stores run in order); at the end, also after an error, the compute stream waits for every
-stream the step used. An update runs with its lane's stream current: its kernels, pointer
-table uploads and temporaries are queued and allocated there (the caching allocator reuses a
-block after the work of the stream that took it). What the side lane reads of other streams
-outlives its use: the arena (freed after a device sync), parameters, gradients and the scalar
-table (blocks of the compute stream, whose later work follows the join).
+stores run in order). At the end the compute stream waits for the updates (side stream and
+loads), not for the stores, which finish under what the caller queues next (the forward):
+the next run's loads, loads queued ahead of it (``prefetch()``) and every host reader of the
+state wait for them instead (``prefetch.py``); after an error or under a graph capture it
+waits for every stream the step used. An update runs with its lane's stream current: its
+kernels, pointer table uploads and temporaries are queued and allocated there (the caching
+allocator reuses a block after the work of the stream that took it). What the side lane and
+the stores read of other streams outlives its use: the arena (recorded on every stream of
+the scheduler, and freed after a device sync), parameters, gradients and the scalar table
+(blocks of the compute stream, whose later work follows the join).
 
 Staging is one device buffer (the arena) of ``ring`` x the largest chunk (rounded up to
 ARENA_ALIGN) in which the streamed chunks of a step take byte ranges one after another,
@@ -35,7 +39,9 @@ bytes allow, not a fixed count of chunks (a ring of three slots held a 128 MiB A
 a slot sized to a 224 MiB Muon matrix). Without a CUDA device the same code runs with plain
 copies and no streams, in plan order, so CI tests the logic of the pipeline. A step captured
 as a CUDA graph (``graphs.py``) runs it under capture: the scheduler's streams fork from the
-capturing stream and join back into it, and every wait names an event of the same step.
+capturing stream and join back into it, and every wait names an event of the same step (the
+capture starts after a device sync). Chunk state travels as ``transfer.plan_transfer`` lays
+it out.
 """
 
 from __future__ import annotations
@@ -48,80 +54,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import prefetch
 from .host_slabs import ALIGN_BYTES, align_up
-
-
-@dataclass(frozen=True)
-class _Run:
-    """A contiguous byte range of host memory copied as one piece."""
-
-    host: Tensor  # uint8 view of the host bytes
-    offset: int  # byte offset of the run inside a staging buffer
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """How one chunk's state travels: the copies, and where each tensor lands on device."""
-
-    runs: tuple[_Run, ...]
-    views: tuple[tuple[int, torch.Size, torch.dtype], ...]  # (staging byte offset, shape, dtype)
-    nbytes: int  # staging bytes this chunk needs
-
-
-def _byte_view(t: Tensor) -> tuple[int, int]:
-    """(address, byte length) of a contiguous tensor."""
-    if not t.is_contiguous():
-        raise ValueError("state tensors moved by the scheduler must be contiguous")
-    return t.data_ptr(), t.numel() * t.element_size()
-
-
-def _own_bytes(t: Tensor) -> Tensor:
-    """The uint8 view of ``t``'s whole storage (the default base of ``plan_transfer``)."""
-    storage = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
-
-
-def plan_transfer(
-    tensors: Sequence[Tensor], base_of: Callable[[Tensor], Tensor] = _own_bytes
-) -> Transfer:
-    """Merge tensors that are adjacent in host memory (up to alignment padding) into runs.
-
-    ``base_of(t)`` is a uint8 tensor that holds ``t`` (the host slab); tensors merge only
-    within one base. Each run lands in staging at an offset with the same residue modulo
-    ALIGN_BYTES as its host address, so every tensor keeps its host alignment on the device.
-    """
-    runs: list[_Run] = []
-    views: list[tuple[int, torch.Size, torch.dtype]] = []
-    run_start = run_end = run_offset = run_base = None
-    cursor = 0
-
-    def close_run():
-        nonlocal cursor
-        if run_start is not None:
-            at = run_start - run_base.data_ptr()
-            runs.append(_Run(run_base[at : at + run_end - run_start], run_offset))
-            cursor = run_offset + (run_end - run_start)
-
-    for t in tensors:
-        addr, nbytes = _byte_view(t)
-        if nbytes == 0:  # an empty shard: nothing to move, an empty view on the device
-            views.append((0, t.shape, t.dtype))
-            continue
-        base = base_of(t)
-        contiguous = (
-            run_start is not None
-            and base.data_ptr() == run_base.data_ptr()
-            and 0 <= addr - run_end < ALIGN_BYTES
-        )
-        if not contiguous:
-            close_run()
-            run_start, run_base = addr, base
-            run_offset = align_up(cursor) + addr % ALIGN_BYTES
-        run_end = addr + nbytes
-        views.append((run_offset + addr - run_start, t.shape, t.dtype))
-    close_run()
-    return Transfer(tuple(runs), tuple(views), align_up(cursor))
-
+from .transfer import Transfer, plan_transfer  # noqa: F401 (its users import it from here)
 
 ARENA_ALIGN = 4096  # each chunk starts on it: a multiple of ALIGN_BYTES, so the residues
 # plan_transfer gives runs modulo ALIGN_BYTES (the host alignment) hold in the arena too
@@ -204,6 +139,8 @@ class StreamScheduler:
         self._loaded: list = []
         self._updated: list = []
         self._stored: list = []
+        self.ahead = prefetch.Ahead()  # loads queued ahead of the next run, and the
+        # last run's stores where the compute stream did not wait for them (prefetch.py)
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(self.device)
             self.d2h_stream = torch.cuda.Stream(self.device)
@@ -233,6 +170,9 @@ class StreamScheduler:
         self._layout = None
         self._arena = None  # freed before the new one is taken
         self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
+        if self._arena.is_cuda:  # freed, it waits for these too: the compute stream does not
+            for stream in self._forked(True):  # wait for the stores (prefetch.py)
+                self._arena.record_stream(stream)
 
     def prepare(
         self, transfers: Sequence[Transfer | None], side: Sequence[bool] | None = None
@@ -302,15 +242,14 @@ class StreamScheduler:
         with the stream it runs on current."""
         self.prepare(transfers, side)
         if not self.cuda:
+            ahead = prefetch.take(self, transfers, side, False)
             for i, transfer in enumerate(transfers):
                 if transfer is None:
                     update(i, None)
                     continue
                 views, copies = self._staged(i)
-                marks = self._mark(i, "load", None)
-                for host, staged in copies:
-                    staged.copy_(host)
-                self._end_mark(marks, None)
+                if self._position[i] >= ahead:  # else loaded by ``prefetch.issue``
+                    self._load(self._position[i], i)
                 marks = self._mark(i, "update", None)
                 update(i, views)
                 self._end_mark(marks, None)
@@ -321,24 +260,31 @@ class StreamScheduler:
             return
 
         compute = torch.cuda.current_stream(self.device)
-        forked = [self.h2d_stream, self.d2h_stream]
-        if any(self._on_side):
-            forked += [self.side_stream, self.side_d2h_stream]
-        # Loads start after what the compute stream queued (the previous step, joined, is
-        # done with the arena); side updates after this step's gradients and scalar table.
+        capturing = torch.cuda.is_current_stream_capturing()
+        joined = forked = self._forked(any(self._on_side))
+        # Loads start after what the compute stream queued (and the last run's stores:
+        # ``prefetch.take``); side updates after this step's gradients and scalar table.
         for stream in forked:
             stream.wait_stream(compute)
+        ahead = prefetch.take(self, transfers, side, capturing)
         try:
-            self._run_streams(transfers, update, compute)
+            self._run_streams(transfers, update, compute, ahead)
+            if self.ahead.leave and not capturing:  # the stores finish under what follows
+                joined = prefetch.leave_stores(self, forked)
         finally:
             # Also after an error: what follows sees every update and store, and a capture
             # (graphs.py) ends with no stream left forked, even when no chunk is streamed.
-            for stream in forked:
+            for stream in joined:
                 compute.wait_stream(stream)
 
-    def _run_streams(self, transfers, update, compute) -> None:
+    def _forked(self, side: bool) -> list:
+        """The streams a run forks: h2d, d2h, and with ``side`` the side lane's two."""
+        both = [self.side_stream, self.side_d2h_stream] if side and self.side_lane else []
+        return [self.h2d_stream, self.d2h_stream, *both]
+
+    def _run_streams(self, transfers, update, compute, next_load: int) -> None:
+        """``next_load``: the streamed chunks loaded ahead of the run (``prefetch.take``)."""
         streamed, issue_after = self._streamed, self._layout.issue_after
-        next_load = 0
 
         def issue(stored: int) -> None:
             """Queue, in order, the loads whose waits name only stores already queued (chunks
@@ -375,16 +321,19 @@ class StreamScheduler:
             issue(k)
 
     def _load(self, k: int, chunk: int) -> None:
-        with torch.cuda.stream(self.h2d_stream):
+        """Load the k-th streamed chunk (``chunk``): on the h2d stream, or at once (CPU)."""
+        h2d = self.h2d_stream if self.cuda else None
+        with torch.cuda.stream(h2d):  # None: no stream switched
             # The chunks whose bytes this load takes must be written back (and so done being
             # updated) first: the latest store of each lane (``place``).
-            for j in self._layout.load_waits[k]:
-                self.h2d_stream.wait_event(self._stored[j])
-            marks = self._mark(chunk, "load", self.h2d_stream)
+            for j in self._layout.load_waits[k] if h2d else ():
+                h2d.wait_event(self._stored[j])
+            marks = self._mark(chunk, "load", h2d)
             for host, staged in self._staged(chunk)[1]:
-                staged.copy_(host, non_blocking=True)
-            self._end_mark(marks, self.h2d_stream)
-            self._loaded[k].record(self.h2d_stream)
+                staged.copy_(host, non_blocking=self.cuda)
+            self._end_mark(marks, h2d)
+            if h2d:
+                self._loaded[k].record(h2d)
 
     def _mark(self, chunk: int, stage: str, stream):
         if self.timeline is None:

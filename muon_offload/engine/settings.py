@@ -46,6 +46,7 @@ class Settings:
     state_dtype: torch.dtype | None
     backend: str
     cuda_graph: bool | str = "auto"
+    prefetch: bool = True  # backward starts the next step's first loads (prefetch.py)
 
     @classmethod
     def check(
@@ -58,6 +59,7 @@ class Settings:
         state_dtype,
         backend,
         cuda_graph="auto",
+        prefetch=True,
         backends: Sequence[str] = BACKENDS,
     ) -> Settings:
         """``backends``: the ``backend`` settings every algorithm's launchers take
@@ -67,6 +69,8 @@ class Settings:
             raise ValueError(f"offload must be True or False, got {offload!r}")
         if cuda_graph not in (True, False, "auto") or not isinstance(cuda_graph, (bool, str)):
             raise ValueError(f"cuda_graph must be True, False or 'auto', got {cuda_graph!r}")
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
         if chunk_bytes is None:
             chunk_bytes = DEFAULT_CHUNK_BYTES
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
@@ -91,4 +95,5 @@ class Settings:
             state_dtype=state_dtype,
             backend=backend,
             cuda_graph=cuda_graph,
+            prefetch=prefetch,
         )

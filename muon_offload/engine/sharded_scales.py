@@ -135,6 +135,11 @@ class HandedScales:
     def add(self, row: Tensor, live: Tensor, lead: int) -> None:
         self._rows.append((row, live, row._version, lead))
 
+    @property
+    def held(self) -> bool:
+        """Whether rows are held (a write into one reaches the live scales at the next step)."""
+        return bool(self._rows)
+
     def pull(self) -> None:
         """Copy every row written since it was handed out into its live scales; forget them."""
         for row, live, version, lead in self._rows:

@@ -1,0 +1,190 @@
+"""Offloaded state loaded ahead of ``step()``, and stores left to finish under what follows it.
+
+A step streams offloaded state through the staging arena (``scheduler.py``): chunk i + 1 loads
+while chunk i updates and chunk i - 1 is written back. Two ends of that pipeline have nothing
+beside them, the first loads and the last stores, so:
+
+- ``prefetch()`` (the optimizer's) queues now, on the h2d stream, the loads the next step would
+  queue first: those of the cached plan (the last step's) that fit in the arena before it wraps
+  (the loads a step queues before any of its stores, ``ArenaLayout.issue_after`` < 0). The
+  budget is the arena's bytes: nothing is allocated, nothing is held past the next step. The
+  next run takes them (``take``) when it runs the same transfers (the same plan's objects; a
+  plan made afresh, after state was created, dropped, moved or loaded, or under new budgets,
+  has new ones) and skips issuing them; otherwise they are dropped, and the run loads as it
+  would, after them on the same h2d stream (their bytes are the arena's, rewritten in order).
+- With ``prefetch=True`` (the default) an offloaded optimizer hooks each parameter's gradient
+  accumulation (``register_post_accumulate_grad_hook``): the first hook to fire after a step
+  calls ``prefetch()``, so the first loads run under the rest of backward.
+- An eager step on CUDA, while no CUDA graph is in use, leaves its stores running: the compute
+  stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
+  (with graphs in use every step joins them: a replay's captured loads could not wait for
+  stores an eager step left running). The scheduler keeps an event
+  for each store stream; the next run's loads and any prefetch wait for them (``wait_stores``),
+  and whatever reads host state or gives staging bytes back waits on the host (``finish``, the
+  optimizer's ``_synchronize``: ``state_dict``, copies and saves, ``load_state_dict``, state
+  dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
+  every stream into the capturing one, as CUDA requires, and takes no prefetched load: its
+  graph replays its own loads, so ``prefetch()`` does nothing while graphs are in use
+  (``cuda_graph="auto"`` on CUDA with the Triton kernels, until graphs are given up).
+
+Without CUDA, ``issue`` copies at once and the run skips those copies: the same logic in plan
+order, which CI tests.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+
+import torch
+
+
+class Ahead:
+    """A scheduler's loads queued ahead of its next run, and its last run's open stores."""
+
+    def __init__(self) -> None:
+        self.transfers = None  # the transfers (a plan's) the loads were queued for, and side
+        self.side = None
+        self.loads = 0  # how many of their first streamed chunks are loading
+        self.runs = 0  # runs started: the backward hook prefetches once a run
+        self.stores: dict = {}  # store stream -> event recorded at the end of the last run
+        self.open = False  # the last run left its stores running (no error, no capture)
+        self.leave = True  # whether the next run may leave them running (no graph in use)
+
+
+def issue(sched, transfers, side) -> int:
+    """Queue the loads of the first streamed chunks of ``transfers`` that fit in the arena
+    before it wraps, ordered after the last run's stores; return how many."""
+    ahead = sched.ahead
+    if ahead.transfers is transfers and ahead.side is side:
+        return ahead.loads  # queued already
+    streamed = sched.prepare(transfers, side)
+    after = sched.layout.issue_after
+    n = 0
+    while n < len(streamed) and after[n] < 0:
+        n += 1
+    if sched.cuda and not ahead.open:  # the last run ended joined into its caller's stream
+        sched.h2d_stream.wait_stream(torch.cuda.current_stream(sched.device))
+    wait_stores(sched)  # the host bytes final and the arena's free
+    for k in range(n):
+        sched._load(k, streamed[k])
+    ahead.transfers, ahead.side, ahead.loads = transfers, side, n
+    return n
+
+
+def take(sched, transfers, side, capturing: bool) -> int:
+    """At the start of a run: how many of its first streamed chunks are loaded already (0 when
+    none were queued, they were for other transfers, or the run is captured: dropped); the
+    run's own loads are ordered after the last run's stores (not under capture: a capture
+    starts after a device sync, and may wait on no event recorded outside it)."""
+    ahead = sched.ahead
+    same = ahead.transfers is transfers and ahead.side is side and not capturing
+    n = ahead.loads if same else 0
+    ahead.transfers = ahead.side = None
+    ahead.loads, ahead.open = 0, False
+    ahead.runs += 1
+    if not capturing:
+        wait_stores(sched)
+    return n
+
+
+def wait_stores(sched) -> None:
+    """The h2d stream waits for the stores the last runs left running."""
+    for event in sched.ahead.stores.values():
+        sched.h2d_stream.wait_event(event)
+
+
+def leave_stores(sched, forked: list) -> list:
+    """At the end of an eager run that raised nothing: record each store stream's end and
+    return the forked streams the caller's stream still waits for (loads, side updates)."""
+    ahead = sched.ahead
+    stores = [s for s in forked if s is sched.d2h_stream or s is _side_d2h(sched)]
+    for stream in stores:
+        if stream not in ahead.stores:
+            ahead.stores[stream] = torch.cuda.Event()
+        ahead.stores[stream].record(stream)
+    ahead.open = True
+    return [s for s in forked if not any(s is t for t in stores)]
+
+
+def _side_d2h(sched):
+    return getattr(sched, "side_d2h_stream", None)
+
+
+def finish(sched) -> None:
+    """Wait on the host for the caller's stream and every stream of ``sched`` (CUDA)."""
+    torch.cuda.current_stream(sched.device).synchronize()
+    for stream in sched._forked(True):
+        stream.synchronize()
+
+
+def _grad_ready(ref: weakref.ref, param) -> None:
+    """A parameter's gradient accumulated: the first one after a run prefetches."""
+    opt = ref()
+    if opt is not None:
+        opt._grad_ready()
+
+
+def _remove(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class PrefetchMixin:
+    """``prefetch()`` and its backward hooks (``ChunkedOptimizer``)."""
+
+    def prefetch(self) -> bool:
+        """Start loading the next step's first chunks of offloaded state now, so that
+        ``step()`` does not wait for them; return whether any load was queued. The next step
+        uses them if it runs the same plan as the last step (the same parameters with
+        gradients, budgets and state), and loads afresh otherwise. Nothing to do (False)
+        before the first step, without streamed state, while CUDA graphs are in use (a replay
+        runs its own loads), and while 8-bit scales handed out by ``state_dict()`` may still
+        be written into (they are copied in at the next step)."""
+        sched, last = self._scheduler, self._plans.last
+        if sched is None or last is None or not self._streamed or self._handed_scales.held:
+            return False
+        if self._graphs_in_use(sched.device):
+            return False
+        _, transfers, _, side, _ = last[1]
+        return issue(sched, transfers, side) > 0
+
+    def _graphs_in_use(self, device) -> bool:
+        """Whether a step may go through ``StepGraphs`` (captured, replayed, eager meanwhile)."""
+        graphs = self._graphs is not None and self._graphs.off is None
+        return graphs or self._graphed(device, False)
+
+    def _run_step(self, *args, **kwargs) -> None:
+        """The step's GPU work (``GraphMixin._run_step``). Its stores are left running only
+        while no graph is in use: a replay's loads, captured, would not wait for them."""
+        sched = self._scheduler
+        sched.ahead.leave = not self._graphs_in_use(sched.device)
+        super()._run_step(*args, **kwargs)
+
+    def _synchronize(self) -> None:
+        """Wait for in-flight write-backs (and loads), so host state can be read by the CPU:
+        a step leaves its stores running (``leave_stores``)."""
+        sched = self._scheduler
+        if self._streamed and sched is not None and sched.cuda:
+            finish(sched)
+
+    def _grad_ready(self) -> None:
+        sched = self._scheduler
+        if sched is not None and sched.ahead.runs != self._prefetched_run:
+            self._prefetched_run = sched.ahead.runs
+            self.prefetch()
+
+    def _hook_prefetch(self) -> None:
+        """With ``prefetch`` and offloaded state: hook every parameter not hooked yet that
+        takes gradients. The hooks hold the optimizer weakly and go when it does."""
+        if not (self.offload and self._auto_prefetch):
+            return
+        if "_prefetch_hooks" not in vars(self):
+            self._prefetch_hooks, self._hooked = [], set()
+            self._prefetched_run = -1
+            weakref.finalize(self, _remove, self._prefetch_hooks)
+        hook = partial(_grad_ready, weakref.ref(self))
+        for _, p in self._params():
+            if p.requires_grad and id(p) not in self._hooked:
+                self._prefetch_hooks.append(p.register_post_accumulate_grad_hook(hook))
+                self._hooked.add(id(p))
