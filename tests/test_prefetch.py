@@ -123,11 +123,11 @@ def test_a_plan_change_drops_the_prefetch():
 
 
 @pytest.mark.parametrize("state_dtype", [None, torch.int8])
-@pytest.mark.parametrize("how", ["load_state_dict", "del", "new state"])
+@pytest.mark.parametrize("how", ["load_state_dict", "del", "new state", "assign"])
 def test_state_written_or_dropped_after_a_prefetch_is_what_the_step_reads(how, state_dtype):
     """A prefetch, then host state written (load_state_dict of an earlier checkpoint) or state
-    dropped (``del opt.state[p]``, a new ``opt.state``): the step reads the new state, bit
-    for bit as the twin that never prefetched."""
+    dropped (``del opt.state[p]``, a new ``opt.state``) or assigned (``opt.state[p] = {...}``):
+    the step reads the new state, bit for bit as the twin that never prefetched."""
     init = _init(2)
     kwargs = dict(offload=True, chunk_bytes=3000, state_dtype=state_dtype, backend="torch")
     saved = {}
@@ -145,8 +145,11 @@ def test_state_written_or_dropped_after_a_prefetch_is_what_the_step_reads(how, s
             params = opt.param_groups[0]["params"] + opt.param_groups[1]["params"]
             for p in params[::2]:
                 del opt.state[p]
-        else:
+        elif how == "new state":
             opt.state = type(opt.state)(dict)
+        else:  # other values, of the same shapes and dtypes
+            for p in opt.param_groups[0]["params"][::2] + opt.param_groups[1]["params"]:
+                opt.state[p] = {k: v.roll(1, 0) for k, v in opt.state[p].items()}
 
     twin = _loop(init, steps=5, between=lambda o, s: between(o, s, False), **kwargs)
     ahead = _loop(init, steps=5, between=between, **kwargs)
@@ -233,14 +236,14 @@ def test_prefetch_setting_is_checked():
     assert resident.prefetch() is False and "_prefetch_hooks" not in vars(resident)
 
 
-def _gpu_loop(prefetch, steps=6, check_state_dict=False, **kwargs):
+def _gpu_loop(prefetch, steps=6, check_state_dict=False, offload=True, **kwargs):
     model = _model().cuda()
     matrices = [p for p in model.parameters() if p.ndim == 2]
     others = [p for p in model.parameters() if p.ndim != 2]
     opt = Muon(
         [dict(params=matrices), dict(params=others, algorithm="adamw")],
         lr=0.02,
-        offload=True,
+        offload=offload,
         chunk_bytes=2000,
         prefetch=prefetch,
         cuda_graph=False,  # eager steps: where prefetch and stores left running apply
@@ -270,6 +273,7 @@ def test_gpu_loop_with_prefetch_equals_loop_without_bitwise(state_dtype):
     ahead = _gpu_loop(True, state_dtype=state_dtype)
     assert ahead[1]._scheduler.ahead.runs == 6
     assert_bitwise(ahead, _gpu_loop(False, state_dtype=state_dtype))
+    assert_bitwise(ahead, _gpu_loop(False, state_dtype=state_dtype, offload=False))
 
 
 @pytest.mark.cuda
