@@ -1,10 +1,8 @@
 """Distributed Muon: several processes over gloo on CPUs (CI), or over NCCL with one GPU each
 when MUON_OFFLOAD_TEST_BACKEND=nccl (see dist_workers.py)."""
 
-import socket
-
+import _processes
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 import dist_workers
@@ -13,12 +11,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _spawn(fn, world, *args):
-    if dist_workers.DEVICE_TYPE == "cuda" and world > torch.cuda.device_count():
-        pytest.skip(f"needs {world} GPUs, one per process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(fn, args=(world, port, *args), nprocs=world, join=True)
+    _processes.run(fn, world, *args)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -2,12 +2,9 @@
 (muon_offload/rank_agreement.py). Gloo processes on CPUs, as tests/test_distributed.py."""
 
 import json
-import socket
-import time
 
+import _processes
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 from muon_offload.rank_agreement import fingerprint
 
@@ -17,26 +14,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _spawn(fn, world, *args, timeout=180):
-    """mp.spawn with a deadline: a hang (collectives pairing the wrong tensors) fails the test
-    instead of blocking it; a process that aborts (SIGABRT) fails it too."""
-    if dist_workers.DEVICE_TYPE == "cuda" and world > torch.cuda.device_count():
-        pytest.skip(f"needs {world} GPUs, one per process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(
-        fn, args=(world, port, *args), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"{fn.__name__} did not finish within {timeout} s (hang?)")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+    _processes.run(fn, world, *args, timeout=timeout)
 
 
 def test_fingerprint_is_deterministic():
