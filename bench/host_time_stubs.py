@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from muon_offload import elementwise, muon_launch
-from muon_offload.engine import graphs
+from muon_offload.engine import capture_rules, graphs
 
 
 @contextlib.contextmanager
@@ -78,8 +78,8 @@ def replayed(opt):
     ``_NoGraph``: the CPU stands in for the GPU (the device check is the one thing bypassed).
     ``opt`` must not have stepped with graphs yet: the graphs it makes in the block are
     ``_NoGraphSteps``."""
-    saved = graphs.check_device, graphs.StepGraphs
-    graphs.check_device = lambda cuda_graph, device: None
+    saved = capture_rules.check_device, graphs.StepGraphs
+    capture_rules.check_device = lambda cuda_graph, device: None
     graphs.StepGraphs = _NoGraphSteps
     opt.cuda_graph = True
     try:
@@ -89,4 +89,4 @@ def replayed(opt):
         if stats["off"] or not stats["replays"]:
             raise RuntimeError(f"the timed steps did not replay: {stats}")
     finally:
-        graphs.check_device, graphs.StepGraphs = saved
+        capture_rules.check_device, graphs.StepGraphs = saved

@@ -12,7 +12,7 @@ import torch
 from muon_offload.kernels._launch import CaptureMiss
 
 from muon_offload import AdamW, Muon
-from muon_offload.engine import graphs
+from muon_offload.engine import capture_rules, graphs
 from muon_offload.engine.graphs import MAX_MISSES, StepGraphs
 from muon_offload.engine.settings import Settings
 
@@ -64,7 +64,7 @@ def _muon(params, graphed, monkeypatch=None, made=None, fail=False, **kw):
     opt = Muon(_groups(params), lr=0.02, backend="triton", **{"cuda_graph": False, **kw})
     if graphed:
         # The CPU stands in for the GPU: the device check is the one thing bypassed.
-        monkeypatch.setattr(graphs, "check_device", lambda cuda_graph, device: None)
+        monkeypatch.setattr(capture_rules, "check_device", lambda cuda_graph, device: None)
         opt.cuda_graph = True
 
         def new_graph():
@@ -117,9 +117,9 @@ def test_refuses_the_torch_backend():
 
 def test_refuses_meshes_and_dtensors():
     with pytest.raises(NotImplementedError, match="distributed_mesh"):
-        graphs.check_settings(Settings.check(**SETTINGS, cuda_graph=True), object())
+        capture_rules.check_settings(Settings.check(**SETTINGS, cuda_graph=True), object(), ())
     with pytest.raises(NotImplementedError, match="distributed_mesh"):
-        graphs.check_group({"params": []}, 1, object())
+        capture_rules.check_group({"params": []}, 1, object())
 
 
 def test_added_group_is_checked_too(monkeypatch):
@@ -302,7 +302,7 @@ def test_key_names_what_changed(monkeypatch):
 
 def _auto(params, monkeypatch, made, **kw):
     """A default ("auto") optimizer whose graphs are stand-ins, the CPU taken for a GPU."""
-    monkeypatch.setattr(graphs, "auto_blocker", lambda device, backend: None)
+    monkeypatch.setattr(capture_rules, "auto_blocker", lambda device, backend, algorithms: None)
 
     def new_graph(stream):
         made.append(FakeGraph())
@@ -324,9 +324,13 @@ def test_auto_is_the_default_and_runs_eagerly_off_cuda():
     stats = opt_a.graph_stats()
     assert (stats["captures"], stats["replays"], stats["eager_steps"]) == (0, 0, 4)
     assert opt_b.graph_stats() is None
-    assert graphs.auto_blocker(torch.device("cpu"), "triton") == "parameters on cpu"
-    assert graphs.auto_blocker(torch.device("cuda", 0), "torch") == "the torch backend"
-    assert graphs.auto_blocker(torch.device("cuda", 0), "auto") is None
+    algorithms = opt_a.algorithms.values()
+    cuda = torch.device("cuda", 0)
+    assert (
+        capture_rules.auto_blocker(torch.device("cpu"), "triton", algorithms) == "parameters on cpu"
+    )
+    assert capture_rules.auto_blocker(cuda, "torch", algorithms) == "the torch backend"
+    assert capture_rules.auto_blocker(cuda, "auto", algorithms) is None
 
 
 def test_auto_captures_and_replays_as_true_does(monkeypatch):
@@ -358,8 +362,8 @@ def test_auto_runs_a_step_with_a_closure_eagerly(monkeypatch):
 def test_auto_stays_eager_with_a_mesh_or_dtensor(monkeypatch):
     params, made = _params(), []
     opt = _auto(params, monkeypatch, made)
-    assert graphs.group_blocker({"params": []}, object()) == "a distributed_mesh"
-    assert graphs.group_blocker({"params": params}, None) is None
+    assert capture_rules.group_blocker({"params": []}, object()) == "a distributed_mesh"
+    assert capture_rules.group_blocker({"params": params}, None) is None
     opt._graph_blocker = "a distributed_mesh"  # what a mesh or a DTensor group sets
     for s in range(4):
         _grads(params, s)

@@ -14,7 +14,7 @@ import torch
 from _graph_emulator import RecordingGraph
 
 from muon_offload import Muon
-from muon_offload.engine import graphs
+from muon_offload.engine import capture_rules
 from muon_offload.engine.graphs import StepGraphs
 from muon_offload.engine.host_slabs import HostSlabs
 
@@ -100,7 +100,7 @@ def test_state_dropped_under_a_captured_graph(monkeypatch):
     tests/_graph_emulator.py): made afresh in the same bytes, so the graph's key sees the same
     state addresses, but not the same plan: the graph is dropped, never replayed onto the new
     state, and the steps equal an eager twin's bit for bit."""
-    monkeypatch.setattr(graphs, "check_device", lambda cuda_graph, device: None)
+    monkeypatch.setattr(capture_rules, "check_device", lambda cuda_graph, device: None)
     made, pair = [], []
     for graphed in (True, False):
         gen = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 from _graph_emulator import RecordingGraph
 
 from muon_offload import Muon
-from muon_offload.engine import graphs
+from muon_offload.engine import capture_rules
 from muon_offload.engine.graphs import MAX_MISSES, StepGraphs
 
 # A 3-D stack (three matrices in one parameter); an element-wise tensor that the offloaded
@@ -30,7 +30,7 @@ def _muon(params, monkeypatch, made, graphed, **kw):
     ]
     opt = Muon(groups, lr=0.02, backend="triton", cuda_graph=False, **kw)
     if graphed:  # the CPU stands in for the GPU: the device check is the one thing bypassed
-        monkeypatch.setattr(graphs, "check_device", lambda cuda_graph, device: None)
+        monkeypatch.setattr(capture_rules, "check_device", lambda cuda_graph, device: None)
         opt.cuda_graph = True
 
         def new_graph():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from muon_offload import Muon
-from muon_offload.engine import graphs
+from muon_offload.engine import capture_rules
 from muon_offload.engine.graphs import StepGraphs
 
 
@@ -43,7 +43,7 @@ def _muon(params, graphed, monkeypatch, made):
     ]
     opt = Muon(groups, lr=0.02, backend="triton", cuda_graph=False)
     if graphed:  # the CPU stands in for the GPU: the device check is the one thing bypassed
-        monkeypatch.setattr(graphs, "check_device", lambda cuda_graph, device: None)
+        monkeypatch.setattr(capture_rules, "check_device", lambda cuda_graph, device: None)
         opt.cuda_graph = True
         opt._graphs = StepGraphs(torch.device("cpu"), lambda: made.append(FakeGraph()) or made[-1])
     return opt

@@ -305,7 +305,7 @@ def test_replayed_steps_read_each_parameters_count(monkeypatch, kw):
     step's Python), and backward's gradients are fresh tensors every step."""
     from _graph_emulator import RecordingGraph
 
-    from muon_offload.engine import graphs
+    from muon_offload.engine import capture_rules
     from muon_offload.engine.graphs import StepGraphs
 
     init = _init(9)
@@ -313,7 +313,7 @@ def test_replayed_steps_read_each_parameters_count(monkeypatch, kw):
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref_opt = _torch_adamw(ref, **KW)
     opt = AdamW(ours, backend="triton", cuda_graph=False, **KW, **kw)
-    monkeypatch.setattr(graphs, "check_device", lambda cuda_graph, device: None)
+    monkeypatch.setattr(capture_rules, "check_device", lambda cuda_graph, device: None)
     opt.cuda_graph = True  # the CPU stands in for the GPU
     made = []
     opt._graphs = StepGraphs(torch.device("cpu"), lambda: made.append(RecordingGraph()) or made[-1])

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..distributed import DTensor, local, resolve_mesh
 from ..hyper import Hyper
 from ..muon_shapes import matrix_count
-from . import graphs
+from . import capture_rules
 from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims
 from .state_format import Dense, StateFormat, StatePolicy
@@ -392,7 +392,7 @@ class CheckpointMixin:
         self._setup(settings, resolve_mesh(None))
         self._constructed = True
         for group in self.param_groups:  # no meshes here, but DTensor parameters may be
-            self._graph_blocker = self._graph_blocker or graphs.group_blocker(group, None)
+            self._graph_blocker = self._graph_blocker or capture_rules.group_blocker(group, None)
         self.state = defaultdict(dict)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
         algorithms = [self.algorithms[h.algorithm] for h in hypers]

@@ -48,9 +48,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..distributed import DTensor
 from ..hyper import StepWork
 from ..kernels._launch import TABLES
+from . import capture_rules
 
 log = logging.getLogger(__name__)
 
@@ -121,62 +121,6 @@ _ptr = Tensor.data_ptr
 def changed(a: GraphKey, b: GraphKey) -> str:
     """What differs between two keys, in words."""
     return "; ".join(WHAT[f] for f in GraphKey._fields if getattr(a, f) != getattr(b, f))
-
-
-def check_settings(settings, mesh_group) -> None:
-    """Constructor arguments ``cuda_graph=True`` cannot work with ("auto" runs them eagerly)."""
-    if settings.cuda_graph is not True:
-        return
-    if settings.backend == "torch":
-        raise ValueError(
-            "cuda_graph=True needs the Triton kernels (backend 'auto' or 'triton'): the torch "
-            "references take their hyper-parameters as Python numbers, which a graph would fix"
-        )
-    if mesh_group is not None:
-        raise NotImplementedError("cuda_graph=True does not support a distributed_mesh yet")
-
-
-def group_blocker(group: dict, mesh_group) -> str | None:
-    """Why ``"auto"`` keeps every step with this param group eager (None: nothing here)."""
-    if mesh_group is not None:
-        return "a distributed_mesh"
-    if any(isinstance(p, DTensor) for p in group["params"]):
-        return "DTensor parameters"
-    return None
-
-
-def auto_blocker(device: torch.device, backend: str) -> str | None:
-    """Why ``"auto"`` keeps a step on ``device`` eager (None: it may capture)."""
-    if device.type != "cuda":
-        return f"parameters on {device}"
-    if backend == "torch":
-        return "the torch backend"
-    return None
-
-
-def check_group(group: dict, index: int, mesh_group) -> None:
-    """A param group ``cuda_graph=True`` cannot capture: refused when it is added."""
-    if mesh_group is not None:
-        raise NotImplementedError(
-            f"param group {index}: cuda_graph=True does not support a distributed_mesh yet"
-        )
-    for p in group["params"]:
-        if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"param group {index}: cuda_graph=True does not support DTensor parameters yet"
-            )
-        if p.device.type != "cuda":
-            raise ValueError(
-                f"param group {index}: cuda_graph=True needs parameters on a CUDA device, got "
-                f"one on {p.device}"
-            )
-
-
-def check_device(cuda_graph: bool | str, device: torch.device | None) -> None:
-    """With ``True``, a step's parameters must be on CUDA (they may have moved since
-    construction)."""
-    if cuda_graph is True and device is not None and device.type != "cuda":
-        raise ValueError(f"cuda_graph=True needs parameters on a CUDA device, not {device}")
 
 
 def release_rng(device: torch.device) -> None:
@@ -406,7 +350,9 @@ class GraphMixin:
             return False
         if self.cuda_graph is True:
             return True  # refused before anything ran where it cannot capture
-        blocker = self._graph_blocker or auto_blocker(device, self.backend)
+        blocker = self._graph_blocker or capture_rules.auto_blocker(
+            device, self.backend, self.algorithms.values()
+        )
         return blocker is None and not closure
 
     def graph_stats(self) -> dict | None:

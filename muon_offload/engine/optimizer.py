@@ -43,7 +43,7 @@ from ..hyper import (
     step_work,
 )
 from ..rank_agreement import StepAgreements
-from . import first_compile, graphs
+from . import capture_rules, first_compile
 from .algorithm import Algorithm, common_backends
 from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk, write_back
@@ -125,7 +125,7 @@ class ChunkedOptimizer(
             backends=common_backends(self.algorithms.values()),
         )
         mesh = resolve_mesh(distributed_mesh)
-        graphs.check_settings(settings, mesh.group)
+        capture_rules.check_settings(settings, mesh.group, self.algorithms.values())
         # As torch's optimizers: the hyper-parameters are checked before params is read.
         self._read_hyper(dict(defaults, params=[]), None)
         self._setup(settings, mesh)
@@ -186,7 +186,7 @@ class ChunkedOptimizer(
                 self._group_meshes[index] = resolve_mesh(group_mesh)
             group, mesh_group = self.param_groups[index], self._mesh_of(index).group
             if self.cuda_graph is True:
-                graphs.check_group(group, index, mesh_group)
+                capture_rules.check_group(group, index, mesh_group)
             hyper = self._read_hyper(group, index)
             check_param_dtypes(group, index)
             self._check_quantizable(index)
@@ -198,7 +198,7 @@ class ChunkedOptimizer(
             self.param_groups.pop()
             self._group_meshes.pop(index, None)
             raise
-        self._graph_blocker = self._graph_blocker or graphs.group_blocker(group, mesh_group)
+        self._graph_blocker = self._graph_blocker or capture_rules.group_blocker(group, mesh_group)
 
     def _mesh_of(self, group_index: int) -> Mesh:
         return self._group_meshes.get(group_index, self._mesh)
@@ -300,7 +300,7 @@ class ChunkedOptimizer(
             with torch.enable_grad():
                 loss = closure()
         hypers, work, device = self._check_step()
-        graphs.check_device(self.cuda_graph, device)
+        capture_rules.check_device(self.cuda_graph, device)
         # Every rank of a mesh steps the same parameters (one CPU all-reduce per mesh).
         self._agreements.check(self.param_groups, self._mesh_of)
         if not work:
