@@ -58,15 +58,18 @@ import torch  # noqa: E402
 from training_loop_report import environment, summary, table  # noqa: E402
 from transformers_step import MODEL as DENSE  # noqa: E402
 from transformers_step import TINY_MODEL as TINY_DENSE  # noqa: E402
-from transformers_step import Meter, cosine, import_dion, parameter_counts  # noqa: E402
+from transformers_step import (  # noqa: E402
+    Meter,
+    bench_groups,
+    build_model,
+    cosine,
+    import_dion,
+    parameter_counts,
+)
 
-from muon_offload import Muon, muon_param_groups  # noqa: E402
+from muon_offload import Muon  # noqa: E402
 from muon_offload.tools import options  # noqa: E402
 from muon_offload.tools.bench.modes import (  # noqa: E402
-    ADAMW_BETAS,
-    ADAMW_EPS,
-    ADAMW_LR,
-    ADAMW_WEIGHT_DECAY,
     MUON_LR,
     TORCH_ADAMW,
 )
@@ -129,17 +132,6 @@ def config(kind: str, args):
     )
 
 
-def build_model(cfg, seed: int, device: torch.device):
-    import transformers
-
-    torch.manual_seed(seed)
-    with device:  # initialized where it trains: no copy on the host
-        model = transformers.AutoModelForCausalLM.from_config(
-            cfg, dtype=torch.float32, attn_implementation="sdpa"
-        )
-    return model.to(device=device, dtype=torch.float32).train()
-
-
 def make_optimizer(name: str, model, device: torch.device, dion):
     """None for ``no_step``; the same groups for ours and dion's (its param-group convention)."""
     if name == "no_step":
@@ -148,14 +140,7 @@ def make_optimizer(name: str, model, device: torch.device, dion):
         return torch.optim.AdamW(
             model.parameters(), **TORCH_ADAMW, fused=True if device.type == "cuda" else None
         )
-    groups = muon_param_groups(
-        model,
-        lr=MUON_LR,
-        adamw_lr=ADAMW_LR,
-        adamw_betas=ADAMW_BETAS,
-        adamw_epsilon=ADAMW_EPS,
-        adamw_weight_decay=ADAMW_WEIGHT_DECAY,
-    )
+    groups = bench_groups(model)
     if name == "dion_resident":
         return dion.Muon(groups, lr=MUON_LR)
     return Muon(groups, lr=MUON_LR, **OURS[name])
@@ -245,7 +230,7 @@ def block(copy: Copy, tokens: torch.Tensor, iters: int, meter: Meter) -> None:
 def build(name: str, cfg, args, tokens, meter: Meter, dion) -> Copy:
     meter.sync()
     before = meter.allocated()
-    model = build_model(cfg, args.seed, args.device)
+    model = build_model(cfg, args.seed, args.device, torch.float32)
     copy = Copy(model, make_optimizer(name, model, args.device, dion), tokens.shape[0])
     for _ in range(args.warmup):
         copy.iteration(tokens[copy.done], meter, timed=False)

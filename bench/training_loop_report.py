@@ -8,14 +8,10 @@ import shlex
 import statistics
 
 import torch
+from transformers_step import fmt, gib
 
 from muon_offload.tools.bench import machine
 from muon_offload.tools.bench.dion_runner import dion_commit
-from muon_offload.tools.bench.timing import GIB
-
-
-def gib(nbytes: int | None) -> float | None:
-    return None if nbytes is None else nbytes / GIB
 
 
 def median(values: list[float]) -> float | None:
@@ -57,10 +53,6 @@ def summary(copies: dict) -> dict:
     for r in new.values():
         r["step_share_s"] = None if base is None else r["median_iter_s"] - base
     return new
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def graphs(stats: dict | None) -> str:

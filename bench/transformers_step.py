@@ -100,15 +100,15 @@ def config(args):
     )
 
 
-def build_model(cfg, seed: int, device: torch.device):
+def build_model(cfg, seed: int, device: torch.device, dtype: torch.dtype = torch.bfloat16):
     import transformers
 
     torch.manual_seed(seed)
-    with device:  # initialized where it trains: no fp32 copy on the host
+    with device:  # initialized where it trains: no copy on the host
         model = transformers.AutoModelForCausalLM.from_config(
-            cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+            cfg, dtype=dtype, attn_implementation="sdpa"
         )
-    return model.to(device=device, dtype=torch.bfloat16).train()
+    return model.to(device=device, dtype=dtype).train()
 
 
 def import_dion(path: str | None):
@@ -122,8 +122,10 @@ def import_dion(path: str | None):
     return dion, None
 
 
-def make_optimizer(name: str, model, dion):
-    groups = muon_param_groups(
+def bench_groups(model) -> list[dict]:
+    """Muon for the hidden matrices, AdamW for the rest, at the bench's settings: the same
+    groups for ours and dion's (its param-group convention)."""
+    return muon_param_groups(
         model,
         lr=MUON_LR,
         adamw_lr=ADAMW_LR,
@@ -131,6 +133,10 @@ def make_optimizer(name: str, model, dion):
         adamw_epsilon=ADAMW_EPS,
         adamw_weight_decay=ADAMW_WEIGHT_DECAY,
     )
+
+
+def make_optimizer(name: str, model, dion):
+    groups = bench_groups(model)
     if name == "dion_resident":
         return dion.Muon(groups, lr=MUON_LR)
     return Muon(groups, lr=MUON_LR, **MODES[name])
