@@ -19,6 +19,7 @@ import textwrap
 import pytest
 import torch
 from muon_offload.kernels import _launch, precompile
+from test_precompile import COMPILE_SPY
 
 from muon_offload import Muon
 from muon_offload.engine import first_compile
@@ -216,21 +217,8 @@ def test_a_users_orthogonalizer_is_never_called_on_scratch(as_on_a_gpu):
     assert ahead == {"adamw"}  # the element-wise units still run ahead
 
 
-_FIRST_STEPS = textwrap.dedent(
+_FIRST_STEPS = COMPILE_SPY + textwrap.dedent(
     """
-    import json, sys, threading, torch, triton.compiler
-    from muon_offload import Muon
-    from muon_offload.kernels import precompile
-
-    compiles = []  # the thread of each Triton compile (a disk-cache hit counts too)
-    real = triton.compiler.compile
-    def compile(*args, **kwargs):
-        compiles.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-    triton.compiler.compile = compile
-    jobs = []  # what went to the worker processes
-    submit = precompile.Workers.submit
-    precompile.Workers.submit = lambda self, job: jobs.append(job[1]) or submit(self, job)
 
     kw = json.loads(sys.argv[1])
     if kw.pop("int8", False):  # 8-bit from 4,096 elements: the small AdamW tensors stay fp32

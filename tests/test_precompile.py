@@ -171,12 +171,13 @@ def test_a_worker_compiles_into_the_disk_cache_that_tritons_compile_then_hits(tm
     assert got["ptx"]
 
 
-_FIRST_STEP = textwrap.dedent(
+# A first step's script starts with this: every Triton compile counted by thread, every job
+# sent to the worker processes recorded (test_first_compile.py's scripts start with it too).
+COMPILE_SPY = textwrap.dedent(
     """
     import json, sys, threading, torch, triton.compiler
     from muon_offload import Muon
     from muon_offload.kernels import precompile
-    from triton.runtime.jit import JITFunction
 
     compiles = []  # the thread of each Triton compile (a disk-cache hit counts too)
     real = triton.compiler.compile
@@ -187,6 +188,12 @@ _FIRST_STEP = textwrap.dedent(
     jobs = []  # what went to the worker processes
     submit = precompile.Workers.submit
     precompile.Workers.submit = lambda self, job: jobs.append(job[1]) or submit(self, job)
+    """
+)
+
+_FIRST_STEP = COMPILE_SPY + textwrap.dedent(
+    """
+    from triton.runtime.jit import JITFunction
 
     def model():
         gen = torch.Generator().manual_seed(0)
