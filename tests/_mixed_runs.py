@@ -30,10 +30,11 @@ def mixed_run(init, muon: int, adamw: int, seed: int, *, steps: int = 4, schedul
 
 
 def assert_bitwise(a, b) -> None:
-    """Two (params, opt) runs: the same weights, state tensors and step counts, bit for bit."""
+    """Two (params, opt) runs: the same weights, state tensors and step counts, bit for bit;
+    offloaded state (host) compares with resident state (device) on the host."""
     (pa, oa), (pb, ob) = a, b
     for x, y in zip(pa, pb, strict=True):
         assert torch.equal(x, y)
         for key in oa.state[x]:
-            assert torch.equal(oa.state[x][key], ob.state[y][key])
+            assert torch.equal(oa.state[x][key].cpu(), ob.state[y][key].cpu()), key
     assert [g["step"] for g in oa.param_groups] == [g["step"] for g in ob.param_groups]

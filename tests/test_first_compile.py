@@ -232,7 +232,8 @@ _FIRST_STEPS = COMPILE_SPY + textwrap.dedent(
     mats = [torch.randn(s, generator=gen) for s in shapes]
     rest = [torch.randn(n, generator=gen) for n in (1000, 333, 5000)]
     params = [torch.nn.Parameter(t.cuda()) for t in mats + rest]
-    groups = [dict(params=params[:5]), dict(params=params[5:], algorithm="adamw", lr=1e-3)]
+    m = len(mats)
+    groups = [dict(params=params[:m]), dict(params=params[m:], algorithm="adamw", lr=1e-3)]
     opt = Muon(groups, lr=0.02, **kw)
     per_step = []
     for step in range(2):
