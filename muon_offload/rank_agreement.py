@@ -6,12 +6,15 @@ mismatch, and with equal shapes rank 0's shard of one matrix is silently orthogo
 rank 1's shard of another. ``StepAgreement.check`` catches it at the start of the step, before
 anything is touched, with one all-reduce of two int64 on the CPU per mesh and step:
 
-- each rank hashes the positions of its parameters that have a gradient (blake2b: Python's
-  ``hash()`` is salted per process) into a 63-bit fingerprint ``h``;
+- each rank hashes the positions of its parameters that have a gradient, and those
+  gradients' dtypes (the step batches matrices by gradient dtype, so ranks whose dtypes differ
+  would pair different batches), into a 63-bit fingerprint ``h`` (blake2b: Python's ``hash()``
+  is salted per process);
 - an all-reduce with MAX of ``[h, -h]`` gives the largest and the smallest fingerprint of the
   mesh: they are equal, on every rank, exactly when all ranks agree;
 - only on a mismatch do the ranks gather their full lists (``all_gather_object``) to name the
-  first parameter that has a gradient on some ranks but not on others. Every rank of the mesh
+  first parameter that has a gradient on some ranks but not on others, or gradients of other
+  dtypes on some ranks. Every rank of the mesh
   sees the mismatch, so every rank raises the same ValueError.
 
 The all-reduce runs on a CPU group so that no CUDA tensor is read on the host (a device sync).
@@ -71,10 +74,12 @@ def cpu_group(group):
     return twin
 
 
-def fingerprint(stepping: Sequence[int]) -> int:
-    """A 63-bit digest of the positions, the same in every process (``-h`` fits in int64)."""
-    digest = hashlib.blake2b(array("q", stepping).tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+def fingerprint(stepping: Sequence[int], dtypes: Sequence[str] = ()) -> int:
+    """A 63-bit digest of the positions and their gradients' dtype names, the same in every
+    process (``-h`` fits in int64)."""
+    digest = hashlib.blake2b(array("q", stepping).tobytes(), digest_size=8)
+    digest.update(" ".join(dtypes).encode())
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 class StepAgreement:
@@ -86,38 +91,52 @@ class StepAgreement:
         all ranks construct the agreements of their meshes in the same order."""
         self.mesh = mesh
         self.group = None  # the CPU group; None when there is nothing to agree on
-        self._last: tuple[list[int] | None, int] = (None, 0)  # (stepping, its fingerprint)
+        # (stepping, dtypes, their fingerprint): usually the same lists as at the last step
+        self._last: tuple[list[int] | None, list[str] | None, int] = (None, None, 0)
         if mesh.group is not None and mesh.size > 1:
             self.group = cpu_group(mesh.group)
             self.ranks = dist.get_process_group_ranks(self.group)  # global, in group order
 
-    def check(self, stepping: Sequence[int], describe: Callable[[int], str]) -> None:
+    def check(
+        self,
+        stepping: Sequence[int],
+        describe: Callable[[int], str],
+        dtypes: Sequence[str] = (),
+    ) -> None:
         """Collective over the mesh, every step. ``stepping``: the positions (in the mesh's
         parameter order, the same on all ranks) of the parameters with a gradient on this
-        rank. Raises ValueError naming the first parameter that has a gradient on some ranks
-        but not on others."""
-        message = self.disagreement(stepping, describe)
+        rank; ``dtypes``: those gradients' dtype names, in the same order (or none). Raises
+        ValueError naming the first parameter that has a gradient on some ranks but not on
+        others, or whose gradients' dtypes differ between ranks."""
+        message = self.disagreement(stepping, describe, dtypes)
         if message is not None:
             raise ValueError(message)
 
-    def disagreement(self, stepping: Sequence[int], describe: Callable[[int], str]) -> str | None:
+    def disagreement(
+        self,
+        stepping: Sequence[int],
+        describe: Callable[[int], str],
+        dtypes: Sequence[str] = (),
+    ) -> str | None:
         """``check``'s collective: the error message, or None when all ranks agree."""
         if self.group is None:
             return None
-        if stepping != self._last[0]:  # usually the same list as at the last step
-            self._last = (list(stepping), fingerprint(stepping))
-        h = self._last[1]
+        if stepping != self._last[0] or dtypes != self._last[1]:
+            self._last = (list(stepping), list(dtypes), fingerprint(stepping, dtypes))
+        h = self._last[2]
         both = torch.tensor([h, -h], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
         high, neg_low = both.tolist()
         if high == h and neg_low == -h:
             return None
         everyone: list = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, list(stepping), group=self.group)
+        dist.all_gather_object(everyone, (list(stepping), list(dtypes)), group=self.group)
         return self._message(everyone, describe)
 
-    def _message(self, everyone: list[list[int]], describe: Callable[[int], str]) -> str:
-        sets = [set(s) for s in everyone]
+    def _message(
+        self, everyone: list[tuple[list[int], list[str]]], describe: Callable[[int], str]
+    ) -> str:
+        sets = [set(s) for s, _ in everyone]
         me = dist.get_rank()
         for position in sorted(set().union(*sets)):
             have = [r for r, s in zip(self.ranks, sets, strict=True) if position in s]
@@ -129,6 +148,21 @@ class StepAgreement:
                     "every rank of a mesh must step the same parameters, or the collectives "
                     "pair different matrices. Give it a gradient (zeros) on every rank, or set "
                     "it to None on every rank. Nothing was updated."
+                )
+        # The same positions everywhere: a dtype differs (where every rank sent its dtypes).
+        kinds = [dict(zip(s, d, strict=True)) for s, d in everyone if len(d) == len(s)]
+        for position in sorted(sets[0]) if len(kinds) == len(sets) else ():
+            named = [k[position] for k in kinds]
+            if len(set(named)) > 1:
+                first = [r for r, n in zip(self.ranks, named, strict=True) if n == named[0]]
+                rest = [r for r in self.ranks if r not in first]
+                other = named[self.ranks.index(rest[0])]
+                return (
+                    f"{describe(position)} has a {named[0]} gradient on rank{_s(first)} "
+                    f"{_join(first)} but a {other} gradient on rank{_s(rest)} {_join(rest)} "
+                    f"(global ranks; this is rank {me}): every rank of a mesh must give a "
+                    "parameter gradients of the same dtype, or the step batches other "
+                    "matrices on each rank. Nothing was updated."
                 )
         return (  # the same sets in another order or with repeats: not from the optimizer
             f"the ranks passed different lists of stepping positions (global ranks "
@@ -177,9 +211,11 @@ class StepAgreements:
         for key, agreement in self._by_group.items():
             mine = [gi for gi in range(len(param_groups)) if id(mesh_of(gi).group) == key]
             flat = [p for gi in mine for p in param_groups[gi]["params"]]
-            stepping = [i for i, p in enumerate(flat) if p.grad is not None]
+            grads = [(i, p.grad) for i, p in enumerate(flat) if p.grad is not None]
             message = agreement.disagreement(
-                stepping, lambda i, mine=mine: _describe(param_groups, mine, i)
+                [i for i, _ in grads],
+                lambda i, mine=mine: _describe(param_groups, mine, i),
+                [str(g.dtype) for _, g in grads],
             )
             if message is not None:
                 errors.append(message)

@@ -425,6 +425,14 @@ def agreement_direct(rank, world, port):
     stepping = [0, 7, 9] if rank == 0 else [0, 9]
     message = _agreement_message(lambda: agreement.check(stepping, names.__getitem__))
     assert message.startswith("parameter #7 has a gradient on rank 0 but not on rank"), message
+    # The same positions, a gradient dtype that differs on the last rank: named, with both.
+    dtypes = ["torch.float32", "torch.bfloat16" if rank == last else "torch.float32"]
+    message = _agreement_message(lambda: agreement.check([3, 4], names.__getitem__, dtypes))
+    assert message.startswith(
+        f"parameter #4 has a torch.float32 gradient on rank{'s' if last > 1 else ''} {have} "
+        f"but a torch.bfloat16 gradient on rank {last} "
+    ), message
+    agreement.check([3, 4], names.__getitem__, ["torch.float32"] * 2)
     # Still paired after the errors.
     agreement.check([1, 2], names.__getitem__)
 
@@ -443,6 +451,16 @@ def agreement_direct(rank, world, port):
             p.grad = torch.zeros_like(p)
     groups[1]["params"][0].grad = None  # no mesh: not compared
     agreements.check(groups, meshes.__getitem__)
+    kept = groups[0]["params"][1]
+    if rank == last:  # the step batches by gradient dtype: a bf16 gradient on one rank only
+        groups[0]["params"][1] = torch.zeros(2, 3, dtype=torch.bfloat16)
+        groups[0]["params"][1].grad = torch.zeros(2, 3, dtype=torch.bfloat16)
+    message = _agreement_message(lambda: agreements.check(groups, meshes.__getitem__))
+    assert message.startswith("param group 0 (parameter 1 of the group, of shape (2, 3)) has a"), (
+        message
+    )
+    assert "torch.bfloat16 gradient on rank" in message, message
+    groups[0]["params"][1] = kept
     if rank == last:
         groups[2]["params"][1].grad = None
     message = _agreement_message(lambda: agreements.check(groups, meshes.__getitem__))

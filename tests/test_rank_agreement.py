@@ -23,6 +23,10 @@ def test_fingerprint_is_deterministic():
     assert fingerprint([0, 3, 7]) != fingerprint([0, 3])
     assert fingerprint([0, 3, 7]) != fingerprint([0, 7, 3])
     assert 0 <= fingerprint(range(1000)) < 2**63
+    # The gradients' dtypes count: the step batches matrices by gradient dtype.
+    assert fingerprint([0, 3], ["torch.float32"] * 2) != fingerprint([0, 3])
+    f32, bf16 = "torch.float32", "torch.bfloat16"
+    assert fingerprint([0, 3], [f32, bf16]) != fingerprint([0, 3], [bf16, f32])
 
 
 @pytest.mark.parametrize("world", [2, 3])
