@@ -212,6 +212,24 @@ def test_bad_constructor_arguments():
         AdamW(ps, amsgrad=True)
 
 
+def test_bad_budgets_change_nothing():
+    """``reconfigure`` and an assigned setting are checked as the constructor's are, and a
+    refused change keeps every budget as it was."""
+    ps = _model()[:1]
+    opt = Muon(ps, offload=True, chunk_bytes=4096, resident_chunk_bytes=8192)
+    with pytest.raises(ValueError, match="resident_chunk_bytes must be a positive int, got 0"):
+        opt.reconfigure(chunk_bytes=1024, resident_chunk_bytes=0)
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive int, got 2.5"):
+        opt.reconfigure(chunk_bytes=2.5)
+    with pytest.raises(ValueError, match="chunk_bytes must be a positive int, got True"):
+        opt.chunk_bytes = True
+    with pytest.raises(ValueError, match="cuda_graph must be True, False or 'auto'"):
+        opt.cuda_graph = "yes"
+    assert (opt.chunk_bytes, opt.resident_chunk_bytes, opt.cuda_graph) == (4096, 8192, "auto")
+    opt.reconfigure(chunk_bytes=1024)  # the other budget is kept, not derived afresh
+    assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1024, 8192)
+
+
 def _break_grad(kind, params, which):
     p = params[which]
     if kind == "shape":

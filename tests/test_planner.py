@@ -135,9 +135,9 @@ def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
 def test_random_plans_are_sound(seed, chunk_bytes):
     rng = random.Random(seed)
     params = _random_params(rng, resident_share=[0.0, 0.3, 1.0][seed % 3])
-    plan = plan_step(params, chunk_bytes)
+    plan = _plan(params, chunk_bytes)
     _check_plan(params, plan, chunk_bytes)
-    assert plan == plan_step(params, chunk_bytes)  # pure: same input, same plan
+    assert plan == _plan(params, chunk_bytes)  # pure: same input, same plan
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -150,13 +150,13 @@ def test_resident_and_streamed_parts_take_their_own_budgets(seed, budgets):
     # Each part is planned as if it were alone with its budget.
     for resident, budget in ((True, resident_chunk_bytes), (False, chunk_bytes)):
         part = [p for p in params if p.resident == resident]
-        alone = plan_step(part, budget)
+        alone = _plan(part, budget)
         assert [c for c in plan.chunks if c.resident == resident] == list(alone.chunks)
 
 
 def test_large_embedding_is_split_so_no_chunk_goes_over_budget():
     emb = ParamInfo(0, 0, "adamw", numel=1_000_003, plan_bytes=8_000_024, elementwise=True)
-    plan = plan_step([emb], chunk_bytes=1 << 20)
+    plan = _plan([emb], 1 << 20)
     assert len(plan.chunks) == 8
     assert all(c.plan_bytes <= 1 << 20 for c in plan.chunks)
     _check_plan([emb], plan, 1 << 20)
@@ -166,7 +166,7 @@ def test_large_embedding_is_split_so_no_chunk_goes_over_budget():
 def test_oversized_matrix_gets_its_own_chunk(resident):
     small = [_matrix(i, 100, ("s",), resident) for i in range(3)]
     big = _matrix(3, 10_000, ("b",), resident)
-    plan = plan_step(small + [big], chunk_bytes=1000)
+    plan = _plan(small + [big], 1000)
     # Reported only when streamed: a resident one sizes no staging buffer.
     assert plan.oversized == (() if resident else (3,))
     assert [u.params for c in plan.chunks for u in c.units] == [(0, 1), (2,), (3,)]
@@ -193,7 +193,7 @@ def test_moe_stack_over_budget_is_cut_at_matrix_boundaries_into_even_pieces():
     pieces of 24 matrices, each within budget, instead of one 192 MiB chunk whose load
     nothing overlaps; nothing is reported oversized."""
     stack = _stack(0, (48, 1024, 1024))
-    plan = plan_step([stack], 128 << 20)
+    plan = _plan([stack], 128 << 20)
     _check_plan([stack], plan, 128 << 20)
     assert [[astuple(p) for p in u.pieces] for u in plan.units()] == [[(0, 24)], [(24, 48)]]
     assert all(c.plan_bytes <= 128 << 20 for c in plan.chunks) and plan.oversized == ()
@@ -211,9 +211,9 @@ def test_stack_and_vector_below_budget_are_covered_once_within_it(resident, chun
         _stack(2, (5, 33, 65), resident),
         ParamInfo(3, 1, "adamw", 10_007, 80_056, resident=resident, elementwise=True),
     ]
-    plan = plan_step(params, chunk_bytes)
+    plan = _plan(params, chunk_bytes)
     _check_plan(params, plan, chunk_bytes)
-    assert plan == plan_step(params, chunk_bytes)  # pure: shapes and budget alone decide
+    assert plan == _plan(params, chunk_bytes)  # pure: shapes and budget alone decide
     # Over budget: the 2-D matrix below 9,100 bytes, and below 8,580 each of the 12 matrices.
     over = [c for c in plan.chunks if holds_matrices(c) and c.plan_bytes > chunk_bytes]
     assert len(over) == (0 if chunk_bytes >= 9_100 else 1 if chunk_bytes >= 8_580 else 13)
@@ -222,13 +222,13 @@ def test_stack_and_vector_below_budget_are_covered_once_within_it(resident, chun
 def test_stack_that_fits_is_not_cut():
     """Within budget a stack stays whole and batches with its shape's others."""
     params = [_stack(0, (7, 33, 65)), _stack(1, (7, 33, 65))]
-    plan = plan_step(params, 2 * 7 * 8580)
+    plan = _plan(params, 2 * 7 * 8580)
     assert [(u.params, u.pieces) for u in plan.units()] == [((0, 1), ())]
 
 
 def test_units_batch_same_shape_up_to_the_budget():
     params = [_matrix(i, 100, ("a" if i % 2 else "b",)) for i in range(10)]
-    plan = plan_step(params, chunk_bytes=1200)
+    plan = _plan(params, 1200)
     units = [u.params for u in plan.units()]
     assert units == [(0, 2, 4), (6, 8), (1, 3, 5), (7, 9)]
 
@@ -236,17 +236,15 @@ def test_units_batch_same_shape_up_to_the_budget():
 def test_one_unit_per_chunk_to_everything_in_one():
     rng = random.Random(11)
     params = _random_params(rng)
-    everything = plan_step(params, 10**12)
+    everything = _plan(params, 10**12)
     assert len(everything.chunks) == 1
-    tiny = plan_step(params, 1)
+    tiny = _plan(params, 1)
     assert all(len(c.units) == 1 for c in tiny.chunks)
 
 
-def test_rejects_nonpositive_budget():
-    with pytest.raises(ValueError, match="chunk_bytes"):
-        plan_step([], 0)
-    with pytest.raises(ValueError, match="resident_chunk_bytes"):
-        plan_step([], 10, 0)
+def _plan(params, budget: int):
+    """The plan with one budget for resident and streamed chunks alike."""
+    return plan_step(params, budget, budget)
 
 
 def _packed(monkeypatch, *args):
@@ -309,9 +307,9 @@ def test_interleave_leaves_one_kind_alone(monkeypatch):
         ParamInfo(6 + i, 1, "adamw", 100, 800, resident=False, elementwise=True) for i in range(6)
     ]
     for params in (muon, adamw):
-        plan = plan_step(params, 1000)
+        plan = _plan(params, 1000)
         assert len(plan.chunks) > 2
-        assert plan == _packed(monkeypatch, params, 1000)
+        assert plan == _packed(monkeypatch, params, 1000, 1000)
 
 
 def _workload_infos(specs):
@@ -344,14 +342,14 @@ def test_llama3_adamw_chunks_run_among_muon_ones_not_as_a_tail(layers, monkeypat
     from muon_offload.tools.workloads import llama3_8b_fsdp8_rank
 
     infos = _workload_infos(llama3_8b_fsdp8_rank(layers))
-    plan = plan_step(infos, 128 << 20)
+    plan = _plan(infos, 128 << 20)
     kinds = "".join("M" if holds_matrices(c) else "e" for c in plan.chunks)
     n_muon, n_elementwise = kinds.count("M"), kinds.count("e")
     assert n_muon >= 5 and n_elementwise >= 7, kinds
     longest = max(len(run) for run in kinds.split("M"))
     assert longest <= -(-n_elementwise // n_muon) + 1, kinds
     assert kinds.rstrip("e").count("e") >= n_elementwise // 2, kinds  # not mostly a tail
-    _check_interleaved(plan, _packed(monkeypatch, infos, 128 << 20))
+    _check_interleaved(plan, _packed(monkeypatch, infos, 128 << 20, 128 << 20))
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -391,7 +389,7 @@ def test_unmarked_chunks_hold_the_same_matrix_units_in_order_on_every_rank(seed)
         ranks.append(other)
     lanes = []
     for infos in ranks:
-        plan = plan_step(infos, 9000)
+        plan = _plan(infos, 9000)
         flags = elementwise_only(plan)
         lanes.append(
             [
@@ -447,10 +445,10 @@ def test_the_name_muon_makes_no_matrix_unit(seed):
     named "muon", it is planned exactly as under any other element-wise name."""
     params = _random_params(random.Random(seed), n=60)
     flat = [dataclasses.replace(p, elementwise=True, batch_key=None) for p in params]
-    plan = plan_step(flat, 9000)
+    plan = _plan(flat, 9000)
     _check_plan(flat, plan, 9000)
     assert not any(isinstance(u, MatrixUnit) for u in plan.units())
-    assert _renamed(plan, "muon", "other") == plan_step(_renamed(flat, "muon", "other"), 9000)
+    assert _renamed(plan, "muon", "other") == _plan(_renamed(flat, "muon", "other"), 9000)
 
 
 def test_param_info_says_whether_it_is_elementwise():

@@ -24,7 +24,6 @@ from ..distributed import DTensor, local, resolve_mesh
 from ..hyper import Hyper
 from ..muon_shapes import matrix_count
 from . import capture_rules
-from .settings import Settings
 from .sharded_scales import crop, lay_out, strip_rank_dims
 from .state_format import Dense, StateFormat, StatePolicy
 from .step_counts import loaded_counts
@@ -367,19 +366,9 @@ class CheckpointMixin:
             )
         self._synchronize()
         self._handed_scales.pull()
-        settings = Settings(
-            self.offload,
-            self.chunk_bytes,
-            self.resident_chunk_bytes,
-            self.resident_bytes,
-            self.state_dtype,
-            self.backend,
-            self.cuda_graph,
-            self._auto_prefetch,
-        )
         # The counts of parameters with state (one whose state was dropped starts afresh).
         counts = {p: self._counts.get(p) for _, p in self._params() if self.state.get(p)}
-        state = {**super().__getstate__(), "_settings": settings, "_step_counts": counts}
+        state = {**super().__getstate__(), "_settings": self._settings, "_step_counts": counts}
         if "algorithms" in vars(self):  # Muon's own (its orthogonalizer); AdamW's are its class's
             state["algorithms"] = self.algorithms
         return state

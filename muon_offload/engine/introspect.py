@@ -9,8 +9,6 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from .settings import check_positive_int
-
 
 class ToolsSurface:
     """Mixed into ``ChunkedOptimizer``; reads its store and scheduler."""
@@ -59,14 +57,12 @@ class ToolsSurface:
         self, chunk_bytes: int | None = None, resident_chunk_bytes: int | None = None
     ) -> None:
         """Other chunk budgets for the same state: the next step plans afresh and sizes a new
-        staging arena. State stays where it is."""
-        for name, value in (
-            ("chunk_bytes", chunk_bytes),
-            ("resident_chunk_bytes", resident_chunk_bytes),
-        ):
-            if value is not None:
-                setattr(self, name, check_positive_int(name, value))
+        staging arena. State stays where it is; a budget left None keeps its value. Both are
+        checked (``Settings.replace``) before either changes."""
+        budgets = dict(chunk_bytes=chunk_bytes, resident_chunk_bytes=resident_chunk_bytes)
+        settings = self._changed_settings(**{k: v for k, v in budgets.items() if v is not None})
         self._synchronize()
+        self._settings = settings
         self._scheduler = None
         self._plans.clear()
 

@@ -55,7 +55,7 @@ from .planner import ParamInfo, Plan, elementwise_only, plan_step
 from .prefetch import PrefetchMixin
 from .scalars import ScalarTable, scalar_table
 from .scheduler import StreamScheduler, Transfer, plan_transfer
-from .settings import Settings
+from .settings import Settings, SettingsMixin
 from .sharded_scales import HandedScales
 from .state import StateMixin, StateStore
 from .step_counts import StepCounts, split_by_count
@@ -91,7 +91,7 @@ class PlanCache(dict[tuple, PlanEntry]):
 
 
 class ChunkedOptimizer(
-    StateMixin, CheckpointMixin, ToolsSurface, PrefetchMixin, GraphMixin, Optimizer
+    SettingsMixin, StateMixin, CheckpointMixin, ToolsSurface, PrefetchMixin, GraphMixin, Optimizer
 ):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
@@ -139,14 +139,7 @@ class ChunkedOptimizer(
         self._mesh = mesh
         self._group_meshes: dict[int, Mesh] = {}
         self._agreements = StepAgreements()  # filled in __init__ and add_param_group
-        self.offload = settings.offload
-        self.chunk_bytes = settings.chunk_bytes
-        self.resident_chunk_bytes = settings.resident_chunk_bytes
-        self.resident_bytes = settings.resident_bytes
-        self.state_dtype = settings.state_dtype
-        self.backend = settings.backend
-        self.cuda_graph = settings.cuda_graph
-        self._auto_prefetch = settings.prefetch  # prefetch() from backward (prefetch.py)
+        self._settings = settings  # read as attributes: opt.chunk_bytes, ... (SettingsMixin)
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
         self._ungraphed_steps = 0  # steps run eagerly outside ``_graphs`` (graph_stats)
         # Why "auto" keeps every step eager (a mesh or DTensor parameters), None if nothing.

@@ -28,7 +28,7 @@ no algorithm by name: each parameter says whether its algorithm is element-wise
   scheduler runs their updates on a stream of their own, beside the matrix chunks'
   (scheduler.py).
 - State that stays on the GPU (resident) crosses no bus, so its chunks only sequence the
-  work: they take their own budget, ``resident_chunk_bytes``, larger by default (engine.py),
+  work: they take their own budget, ``resident_chunk_bytes``, larger by default (settings.py),
   so that matrix batches are larger and a resident step issues fewer launches.
 
 Budgets are counted in ``plan_bytes``: a parameter's state bytes computed from its *global*
@@ -145,11 +145,10 @@ class Plan:
         return [u for c in self.chunks for u in c.units]
 
 
-def plan_step(
-    params: Sequence[ParamInfo], chunk_bytes: int, resident_chunk_bytes: int | None = None
-) -> Plan:
+def plan_step(params: Sequence[ParamInfo], chunk_bytes: int, resident_chunk_bytes: int) -> Plan:
     """Cut the step's parameters into units and pack the units into chunks: streamed ones
-    within ``chunk_bytes``, resident ones within ``resident_chunk_bytes`` (default the same).
+    within ``chunk_bytes``, resident ones within ``resident_chunk_bytes`` (positive ints, as
+    ``Settings`` holds them).
 
     Resident chunks come first. Within each part, units are packed matrix units first, then
     element-wise parameters; groups keep their order, matrix units keep their parameters'
@@ -157,14 +156,6 @@ def plan_step(
     in ``_interleave``'s order; the resident ones run as packed (they cross no bus, so there
     is nothing to hide).
     """
-    if resident_chunk_bytes is None:
-        resident_chunk_bytes = chunk_bytes
-    for name, value in (
-        ("chunk_bytes", chunk_bytes),
-        ("resident_chunk_bytes", resident_chunk_bytes),
-    ):
-        if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
     chunks: list[Chunk] = []
     oversized: list[int] = []
     for resident in (True, False):

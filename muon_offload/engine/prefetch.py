@@ -177,7 +177,7 @@ class PrefetchMixin:
     def _hook_prefetch(self) -> None:
         """With ``prefetch`` and offloaded state: hook every parameter not hooked yet that
         takes gradients. The hooks hold the optimizer weakly and go when it does."""
-        if not (self.offload and self._auto_prefetch):
+        if not (self.offload and self._settings.prefetch):
             return
         if "_prefetch_hooks" not in vars(self):
             self._prefetch_hooks, self._hooked = [], set()

@@ -1,4 +1,7 @@
-"""The engine's constructor arguments, checked once, before anything is built."""
+"""The engine's constructor arguments, checked once, before anything is built: the one place
+their defaults are derived. ``reconfigure`` and an assigned attribute (``opt.chunk_bytes``)
+make new ``Settings`` through the same checks (``Settings.replace``), so what the planner and
+the state store read is always a checked whole."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .algorithm import BACKENDS
+from .algorithm import BACKENDS, common_backends
 
 # The fastest offloaded step for fp32 state in the chunk-size sweep on the H200, within 1% of
 # the best for bf16 (docs/benchmarks.md, "Choosing chunk_bytes").
@@ -97,3 +100,39 @@ class Settings:
             cuda_graph=cuda_graph,
             prefetch=prefetch,
         )
+
+    def replace(self, backends: Sequence[str], **changes) -> Settings:
+        """These settings with ``changes``, through ``check`` again: the same errors, raised
+        before anything is kept. A budget not named keeps its value (not derived afresh)."""
+        return Settings.check(**{**vars(self), **changes}, backends=backends)
+
+
+class Setting:
+    """An optimizer attribute (``opt.chunk_bytes``) that is its ``Settings``' field: read from
+    ``_settings``; assigned, it replaces them through the checks (``Settings.replace``)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, opt, owner=None):
+        return self if opt is None else getattr(opt._settings, self.name)
+
+    def __set__(self, opt, value) -> None:
+        opt._settings = opt._changed_settings(**{self.name: value})
+
+
+class SettingsMixin:
+    """Mixed into ``ChunkedOptimizer``: the settings it was built with (``_settings``), as
+    attributes. ``prefetch`` is the method; its setting is ``_settings.prefetch``."""
+
+    offload = Setting()
+    chunk_bytes = Setting()
+    resident_chunk_bytes = Setting()
+    resident_bytes = Setting()
+    state_dtype = Setting()
+    backend = Setting()
+    cuda_graph = Setting()
+
+    def _changed_settings(self, **changes) -> Settings:
+        """The settings with ``changes``, checked as the constructor's were."""
+        return self._settings.replace(common_backends(self.algorithms.values()), **changes)
