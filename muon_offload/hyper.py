@@ -246,12 +246,14 @@ def check_param_dtypes(group: dict, group_index: int) -> None:
             )
 
 
-def check_state_fits(group_index: int, param: Tensor, state: dict, fmt) -> None:
+def check_state_fits(group_index: int, param: Tensor, state: dict, fmt, shapes: dict) -> None:
     """A parameter whose shape changed since its state was created (``p.data = ...``) would
     be updated in part: refuse, and say how to start its state afresh. ``fmt``: the state's
-    format, whose side tensors (8-bit scales) have a shape of their own."""
+    format, whose side tensors (8-bit scales) have a shape of their own; ``shapes``: the shape
+    each state key's tensor has for the parameter's shape now (``Algorithm.state_shapes``)."""
     for key, value in state.items():
-        if isinstance(value, Tensor) and not fmt.is_side(key) and value.shape != param.shape:
+        expected = shapes.get(key, param.shape)
+        if isinstance(value, Tensor) and not fmt.is_side(key) and value.shape != expected:
             raise ValueError(
                 f"{_where(group_index, param)}: its {key!r} state has shape "
                 f"{tuple(value.shape)}: the parameter changed shape since its state was "

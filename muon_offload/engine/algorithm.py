@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,6 +44,15 @@ def reads_tables(algorithms: Iterable[Algorithm], backend: str, device: torch.de
     """Whether a step on ``device`` needs the scalar and gradient tables: some algorithm's
     launches read them (``Algorithm.reads_tables``)."""
     return any(a.reads_tables(backend, device) for a in algorithms)
+
+
+class StateKey(NamedTuple):
+    """One state key a parameter holds (``Algorithm.state_shapes``): its name, its kind (8-bit
+    state's code map) and the shape of its tensor (the format's first tensor of it)."""
+
+    key: str
+    kind: str
+    shape: torch.Size
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,21 @@ class Algorithm:
         self.state_keys = tuple(state_keys)
         if len(self.state_kinds) != len(self.state_keys):
             raise ValueError(f"{type(self).__name__}: one state kind a key")
+
+    def state_shapes(self, shape: torch.Size) -> tuple[StateKey, ...]:
+        """The state keys a parameter of ``shape`` holds, in allocation order, with their kinds
+        and shapes: every one of ``state_keys``, shaped like the parameter, unless the algorithm
+        keeps statistics of other shapes (a factored second moment: a row and a column vector
+        of a matrix; tests/test_algorithm_plugin.py). ``shape``: the local shape for the tensors
+        made, the global one for budgets and checks (the same for a plain tensor). Keys not
+        shaped like the parameter are for whole-parameter (not ``elementwise``) algorithms, of
+        plain tensors and dense state: segments, stack cuts and block scales view a tensor of
+        the parameter's shape."""
+        shape = torch.Size(shape)
+        return tuple(
+            StateKey(key, kind, shape)
+            for key, kind in zip(self.state_keys, self.state_kinds, strict=True)
+        )
 
     def scalars(self, hyper: Hyper, step: int, shape: tuple | None) -> tuple[float, ...]:
         """The runtime scalars of a unit's launches this step (``UnitJob.scalars`` on the

@@ -25,6 +25,7 @@ from ..hyper import Hyper
 from ..muon_shapes import matrix_count
 from . import capture_rules
 from .sharded_scales import crop, lay_out, strip_rank_dims
+from .state import key_shapes
 from .state_format import Dense, StateFormat, StatePolicy
 from .step_counts import loaded_counts
 
@@ -133,8 +134,8 @@ def check_state(
         count = matrices(gi, p) if matrices else None
         algorithm = algorithms[hypers[gi].algorithm]
         loaded[p] = {
-            key: _checked_entry(values, key, kind, p, where, formats(p), count)
-            for key, kind in zip(algorithm.state_keys, algorithm.state_kinds, strict=True)
+            key: _checked_entry(values, key, kind, p, where, formats(p), count, shapes)
+            for key, kind, shapes in key_shapes(algorithm, p)
         }
     return loaded
 
@@ -172,18 +173,24 @@ def _checked_entry(
     where: str,
     formats: Sequence[StateFormat],
     matrices: int | None = None,
+    shapes: tuple[torch.Size, torch.Size] | None = None,
 ) -> Entry:
+    """``shapes``: the key's (global, local) shape by its algorithm (``key_shapes``); None:
+    the parameter's."""
     fmt = _entry_format(values, key, kind, formats, where)
     names = fmt.names(key)
     tensors = tuple(values[name] for name in names)
     first = tensors[0]
-    if tuple(first.shape) != tuple(p.shape) or local(first).shape != local(p).shape:
+    whole, mine = shapes if shapes is not None else (p.shape, local(p).shape)
+    if tuple(first.shape) != tuple(whole) or local(first).shape != mine:
+        theirs = "the parameter's" if tuple(whole) == tuple(p.shape) else f"{tuple(whole)}"
         raise ValueError(
-            f"{where}: loaded state {key!r} has shape {tuple(first.shape)}, not the parameter's"
+            f"{where}: loaded state {key!r} has shape {tuple(first.shape)}, not {theirs}"
         )
     expected = {}
     if matrices is not None:
-        expected = {n: shape for n, shape, _ in fmt.specs(key, local(p).shape, kind, matrices)}
+        count = matrices if mine == local(p).shape else 1
+        expected = {n: shape for n, shape, _ in fmt.specs(key, mine, kind, count)}
     out = []
     for name, t in zip(names, tensors, strict=True):
         if not fmt.is_side(name):
@@ -218,9 +225,8 @@ def check_live_layout(opt, hypers: Sequence[Hyper]) -> list[Tensor]:
             continue
         algorithm = opt.algorithms[hypers[gi].algorithm]
         count = loaded_matrices(opt, hypers[gi], p)
-        specs = StatePolicy.specs(
-            fmt, local(p).shape, algorithm.state_keys, algorithm.state_kinds, count
-        )
+        shape = local(p).shape
+        specs = StatePolicy.specs(fmt, shape, algorithm.state_shapes(shape), count)
         for name, shape, _ in specs:
             t = state.get(name)
             if not fmt.is_side(name) or t is None or local(t).shape == shape:
@@ -264,7 +270,7 @@ def copy_state(opt, loaded: dict[Tensor, dict[str, Entry]]) -> None:
         algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
         fmt = opt._store.formats[p]
         live = opt.state[p]
-        for key, kind in zip(algorithm.state_keys, algorithm.state_kinds, strict=True):
+        for key, kind, _ in algorithm.state_shapes(local(p).shape):
             targets = tuple(local(live[name]) for name in fmt.names(key))
             if p not in loaded:
                 for t in targets:
@@ -383,14 +389,13 @@ class CheckpointMixin:
         for group in self.param_groups:  # no meshes here, but DTensor parameters may be
             self._graph_blocker = self._graph_blocker or capture_rules.group_blocker(group, None)
         self.state = defaultdict(dict)
+        formats = partial(loadable_formats, self)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
         algorithms = [self.algorithms[h.algorithm] for h in hypers]
         loaded = {
             p: {
-                key: _checked_entry(values[p], key, kind, p, "copy", loadable_formats(self, p))
-                for key, kind in zip(
-                    algorithms[gi].state_keys, algorithms[gi].state_kinds, strict=True
-                )
+                key: _checked_entry(values[p], key, kind, p, "copy", formats(p), None, shapes)
+                for key, kind, shapes in key_shapes(algorithms[gi], p)
             }
             for gi, p in self._params()
             if values.get(p)

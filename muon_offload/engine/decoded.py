@@ -34,7 +34,8 @@ def grouped(job, keys: int) -> list[list[tuple[Tensor, ...]]]:
 def decoded_update(algorithm, job) -> Iterator[None]:
     """Decode, run ``algorithm.update`` on fp32 scratch, encode back (a generator: the
     update's collectives are yielded through)."""
-    fmt, kinds = job.fmt, algorithm.state_kinds
+    # The unit's keys (its items share a shape's keys: ``Algorithm.state_shapes``).
+    fmt, kinds = job.fmt, [k.kind for k in algorithm.state_shapes(job.params[0].shape)]
     stored = grouped(job, len(kinds))
     dense = [
         [fmt.to_dense(tensors, kind) for tensors in items]

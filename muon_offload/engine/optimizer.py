@@ -37,7 +37,6 @@ from ..hyper import (
     Hyper,
     StepWork,
     check_param_dtypes,
-    check_state_fits,
     check_unique_params,
     listed_params,
     step_work,
@@ -247,8 +246,7 @@ class ChunkedOptimizer(
             # The equal tuples of the key found: the graph's key compares them as one object.
             work.shapes, work.dtypes = found[0][1], found[0][2]
             return found[1][:4]
-        for gi, p in work:
-            check_state_fits(gi, p, self.state[p], self._format(p))
+        self._check_fits(work, hypers)  # state of the shapes the algorithm gives
         infos = [
             self._param_info(i, gi, p, hypers[gi], p not in self._streamed, grad_dtype)
             for i, ((gi, p), grad_dtype) in enumerate(zip(work, work.grad_dtypes, strict=True))

@@ -164,12 +164,11 @@ def lay_out(opt, state_dict: dict) -> dict:
             continue
         largest = largest_shard_shape(p)
         algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
-        keys, kinds = algorithm.state_keys, algorithm.state_kinds
         count = opt._matrix_count(gi, largest)
         # The side tensors' shapes for the largest shard (``StateFormat.is_side``).
         padded = {
             name: shape
-            for key, kind in zip(keys, kinds, strict=True)
+            for key, kind, _ in algorithm.state_shapes(largest)
             for name, shape, _ in fmt.specs(key, largest, kind, count)
             if fmt.is_side(name)
         }

@@ -9,6 +9,7 @@ A DTensor parameter's state is a DTensor of the same layout around the local ten
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import DTensor, dtensor_around, local
-from ..hyper import Hyper, StepWork, same_objects
+from ..hyper import Hyper, StepWork, check_state_fits, same_objects
 from ..muon_shapes import matrix_count
 from .assigned_state import HeldState
 from .host_slabs import HostSlabs
@@ -123,6 +124,14 @@ class StateStore:
             self.held.keep(e.param, made)
 
 
+def key_shapes(algorithm, p: Tensor) -> list[tuple[str, str, tuple[torch.Size, torch.Size]]]:
+    """(key, kind, (global shape, local shape)) of each state key of ``p`` by its algorithm
+    (``Algorithm.state_shapes``): the shapes its state tensors have (checkpoints check them)."""
+    keys = algorithm.state_shapes(local(p).shape)
+    whole = algorithm.state_shapes(p.shape) if isinstance(p, DTensor) else keys
+    return [(k.key, k.kind, (w.shape, k.shape)) for k, w in zip(keys, whole, strict=True)]
+
+
 def like_param(state: Tensor, param: Tensor, fmt: StateFormat, name: str) -> Tensor:
     """State of a DTensor parameter is a DTensor of the same layout around this rank's
     tensor (on the GPU or in the host slabs); the engine itself works on the local tensor.
@@ -156,10 +165,12 @@ class StateMixin:
         """State bytes for budgeting and for the resident budget, equal on every rank: a
         sharded (DTensor) parameter counts its global state over the mesh size, never its
         local shard, which differs across ranks when shards are uneven."""
-        nkeys = len(self.algorithms[hyper.algorithm].state_keys)
+        algorithm, fmt = self.algorithms[hyper.algorithm], self._format(param)
+        shape = param.shape if isinstance(param, DTensor) else local(param).shape
+        # Each key's own elements: its algorithm's shape (``Algorithm.state_shapes``).
+        total = sum(fmt.nbytes(math.prod(k.shape), 1) for k in algorithm.state_shapes(shape))
         if not isinstance(param, DTensor):
-            return self._format(param).nbytes(local(param).numel(), nkeys)
-        total = self._format(param).nbytes(param.numel(), nkeys)
+            return total
         return -(-total // param.device_mesh.size())
 
     def _budget_bytes(self, param: Tensor, hyper: Hyper) -> int:
@@ -198,8 +209,16 @@ class StateMixin:
         shape = local(p).shape
         matrices = 1 if algorithm.elementwise else matrix_count(shape, hyper.flatten)
         fmt = self._format(p)
-        specs = StatePolicy.specs(fmt, shape, algorithm.state_keys, algorithm.state_kinds, matrices)
+        specs = StatePolicy.specs(fmt, shape, algorithm.state_shapes(shape), matrices)
         return NewState(p, fmt, specs, streamed)
+
+    def _check_fits(self, work: StepWork, hypers: Sequence[Hyper]) -> None:
+        """Each stepped parameter's state has the shapes its algorithm gives the parameter's
+        shape now (``Algorithm.state_shapes``; ``hyper.check_state_fits``)."""
+        for gi, p in work:
+            fmt, algorithm = self._format(p), self.algorithms[hypers[gi].algorithm]
+            shapes = {fmt.names(k)[0]: shape for k, _, shape in algorithm.state_shapes(p.shape)}
+            check_state_fits(gi, p, self.state[p], fmt, shapes)
 
     def _hypers(self) -> list[Hyper]:
         return [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]

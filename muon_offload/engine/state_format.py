@@ -253,11 +253,14 @@ class StatePolicy:
         return (_int8(),)
 
     @staticmethod
-    def specs(fmt, param_shape, keys, kinds, matrices: int) -> list:
-        """(name, shape, dtype) of every tensor of a parameter's state, in allocation order."""
+    def specs(fmt, param_shape, keys, matrices: int) -> list:
+        """(name, shape, dtype) of every tensor of a parameter's state, in allocation order.
+        ``keys``: its algorithm's ``state_shapes`` (``algorithm.StateKey``); ``matrices``
+        counts the matrices of a key shaped like the parameter (any other is one run)."""
         out = []
-        for key, kind in zip(keys, kinds, strict=True):
-            out.extend(fmt.specs(key, param_shape, kind, matrices))
+        for key, kind, shape in keys:
+            count = matrices if tuple(shape) == tuple(param_shape) else 1
+            out.extend(fmt.specs(key, shape, kind, count))
         return out
 
 
