@@ -1,11 +1,13 @@
 """The Python blocks of docs/usage.md run as written (on the CPU here): a block that starts
-with a ``# torchrun`` line runs under torchrun with two gloo processes, a block that starts
-with ``# (continues`` is a fragment of the one before and is left out, a block that imports
-dion or transformers runs only where that package is installed. And the docs' links hold:
-every relative link (and the README's into this repository) reaches a file and a heading, and
-every file under docs/figures is shown by some doc."""
+with a ``# torchrun`` line runs under torchrun with two gloo processes, the others one after
+another in one interpreter, a block that starts with ``# (continues`` is a fragment of the one
+before and is left out, a block that imports dion or transformers runs only where that package
+is installed. And the docs' links hold: every relative link (and the README's into this
+repository) reaches a file and a heading, and every file under docs/figures is shown by some
+doc."""
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -27,6 +29,35 @@ OPTIONAL = {
 
 
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+TORCHRUN = [b for b in RUNNABLE if b.startswith("# torchrun")]
+
+
+def _optional_package(code: str) -> str | None:
+    for package in OPTIONAL:
+        if re.search(rf"^(import|from) {package}\b", code, flags=re.M):
+            return package
+    return None
+
+
+# The single-process blocks by the optional package they use (None: none). Each set runs in
+# one interpreter, a block in fresh globals and a folder of its own: a name a block does not
+# import still fails it, and torch's import (seconds) is paid once a set, not once a block.
+SETS = {
+    package: [b for b in RUNNABLE if b not in TORCHRUN and _optional_package(b) == package]
+    for package in (None, *OPTIONAL)
+}
+RUN_BLOCKS = """
+import json, os, runpy, sys, traceback
+failed = {}
+for path in sys.argv[2:]:
+    os.chdir(os.path.dirname(path))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except BaseException:
+        failed[os.path.basename(os.path.dirname(path))] = traceback.format_exc()
+with open(sys.argv[1], "w") as f:
+    json.dump(failed, f)
+"""
 
 
 def _env():
@@ -37,27 +68,37 @@ def _env():
 
 def test_the_blocks_are_found():
     assert len(BLOCKS) >= 5 and len(RUNNABLE) == len(BLOCKS) - 1
+    assert sum(len(s) for s in SETS.values()) + len(TORCHRUN) == len(RUNNABLE)
+    assert all(SETS.values()) and TORCHRUN
 
 
-@pytest.mark.parametrize(
-    "code",
-    [
-        pytest.param(b, marks=[pytest.mark.distributed] if b.startswith("# torchrun") else [])
-        for b in RUNNABLE
-    ],
-    ids=[f"block{i}" for i in range(len(RUNNABLE))],
-)
-def test_usage_block_runs(code, tmp_path):
-    for package, how in OPTIONAL.items():
-        uses = re.search(rf"^(import|from) {package}\b", code, flags=re.M)
-        if uses and not importlib.util.find_spec(package):
-            pytest.skip(f"needs {package}: {how}")
+@pytest.mark.parametrize("package", list(SETS), ids=["plain", *OPTIONAL])
+def test_usage_blocks_run(package, tmp_path):
+    if package and not importlib.util.find_spec(package):
+        pytest.skip(f"needs {package}: {OPTIONAL[package]}")
+    scripts = []
+    for code in SETS[package]:
+        folder = tmp_path / f"block{RUNNABLE.index(code)}"
+        folder.mkdir()
+        scripts.append(folder / "block.py")
+        scripts[-1].write_text(code)
+    result = tmp_path / "failed.json"
+    cmd = [sys.executable, "-c", RUN_BLOCKS, str(result), *map(str, scripts)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path
+    )
+    assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = json.loads(result.read_text())
+    assert not failed, "\n".join(f"{name}:\n{trace}" for name, trace in failed.items())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("code", TORCHRUN, ids=[f"block{RUNNABLE.index(b)}" for b in TORCHRUN])
+def test_torchrun_block_runs(code, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code)
-    cmd = [sys.executable, str(script)]
-    if code.startswith("# torchrun"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", "2", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", "2", str(script)]
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path
     )
