@@ -7,9 +7,11 @@ import torch
 
 from .elementwise import AdamWUpdate
 from .engine import ChunkedOptimizer
+from .engine.settings import takes_settings
 from .hyper import Hyper, read_torch_adamw_hyper, torch_betas
 
 
+@takes_settings
 class AdamW(ChunkedOptimizer):
     """AdamW with decoupled weight decay and bias correction.
 
@@ -18,11 +20,8 @@ class AdamW(ChunkedOptimizer):
     (the update is always one fused kernel per chunk). The bias correction reads each
     parameter's own step count, as torch's: the steps that updated it (a parameter whose
     gradient is None is not updated; ``del opt.state[p]`` starts it afresh); the group's
-    ``step`` counts ``step()`` calls. ``offload``, ``chunk_bytes``,
-    ``resident_bytes``, ``resident_chunk_bytes``, ``state_dtype``, ``backend`` and
-    ``cuda_graph`` (``"auto"``: capture the step as a CUDA graph where it can run and replay
-    it; the bias correction and learning rate still change every step) and ``prefetch`` are
-    as for ``Muon``.
+    ``step`` counts ``step()`` calls. Under a captured step (``cuda_graph``) the bias correction
+    and learning rate still change every step.
 
     Checkpoints go both ways with ``torch.optim.AdamW``: ``state_dict()`` carries torch's
     per-parameter ``step`` (a float32 tensor) and ``load_state_dict`` reads it; a torch state
@@ -45,14 +44,7 @@ class AdamW(ChunkedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        offload: bool = False,
-        chunk_bytes: int | None = None,
-        resident_bytes: int | None = 0,
-        resident_chunk_bytes: int | None = None,
-        state_dtype: torch.dtype | None = None,
-        backend: str = "auto",
-        cuda_graph: bool | str = "auto",
-        prefetch: bool = True,
+        **settings,  # the engine's (SETTINGS_DOC, checked by Settings.check)
     ):
         defaults = dict(
             lr=lr,
@@ -68,18 +60,7 @@ class AdamW(ChunkedOptimizer):
             algorithm="adamw",
             step=0,
         )
-        super().__init__(
-            params,
-            defaults,
-            offload=offload,
-            chunk_bytes=chunk_bytes,
-            resident_bytes=resident_bytes,
-            resident_chunk_bytes=resident_chunk_bytes,
-            state_dtype=state_dtype,
-            backend=backend,
-            cuda_graph=cuda_graph,
-            prefetch=prefetch,
-        )
+        super().__init__(params, defaults, **settings)
 
     def _read_hyper(self, group: dict, index: int) -> Hyper:
         if group.get("algorithm", "adamw") != "adamw":

@@ -15,6 +15,7 @@ from .distributed import local, orthogonalize_replicated, orthogonalize_sharded,
 from .elementwise import AdamWUpdate, LionUpdate
 from .engine import ChunkedOptimizer
 from .engine.algorithm import Algorithm, UnitJob
+from .engine.settings import takes_settings
 from .hyper import ADJUST_LR_MODES, Hyper, check_beta, read_hyper
 from .kernels.muon import apply_scalars
 from .kernels.orthogonalize import ORTHOGONALIZERS
@@ -57,6 +58,12 @@ class MuonUpdate(Algorithm):
             return (0,)
         rows, cols = matrix_view_shape(shape, False)
         return tuple(k * rows * cols for k in range(matrix_count(shape, False)))
+
+    def matrices(self, shape: torch.Size, hyper: Hyper) -> int:
+        """A stack's matrices (each orthogonalized on its own, so the planner may cut between
+        them); one for a 2-D weight (``num_heads`` ones too: the update cuts their heads from
+        the whole) and for a ``flatten`` group's."""
+        return matrix_count(shape, hyper.flatten)
 
     def budget_bytes(self, state_bytes: int, numel: int, mesh_size: int) -> int:
         """State narrower than fp32 counts as fp32: a Muon chunk's work on the GPU (the bf16
@@ -159,6 +166,7 @@ def _matrices(t: Tensor, flatten: bool, head_rows: int | None = None) -> list[Te
     return list(t.reshape(math.prod(t.shape[:-2]), t.shape[-2], t.shape[-1]).unbind(0))
 
 
+@takes_settings
 class Muon(ChunkedOptimizer):
     """Muon for matrices, with AdamW or Lion groups for everything else.
 
@@ -182,25 +190,6 @@ class Muon(ChunkedOptimizer):
         orthogonalizer: ``"polar_express"``, ``"newton_schulz5"`` or a callable
             ``f(U, epsilon=eps) -> Tensor`` on a bf16 batch [B, m, n]. Overrides
             ``use_polar_express`` and ``newton_schulz_func``.
-        offload: keep optimizer state in pinned host memory and stream it through the GPU in
-            chunks during ``step()``.
-        chunk_bytes: state bytes per chunk (default 128 MiB).
-        resident_bytes: with offload, this much state stays on the GPU (default 0).
-        resident_chunk_bytes: state bytes updated together where none is streamed (resident
-            state: all of it without offload): default 512 MiB, or ``chunk_bytes`` if larger.
-            It sets how many same-shape matrices are orthogonalized in one batch.
-        state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
-        backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
-        cuda_graph: ``"auto"`` (default): capture the step as a CUDA graph once it is stable
-            and replay it while the gradients, parameters and state stay where they are
-            (hyper-parameter changes reach the replay), wherever a graph can run (parameters
-            on CUDA, the Triton kernels, no ``distributed_mesh``, DTensor or ``closure``);
-            other steps run eagerly. ``True``: the same, but refuses what it cannot capture;
-            ``False``: never. The graph's memory pool (about one step's temporaries) is kept
-            from the caching allocator; see docs/usage.md ("CUDA graphs").
-        prefetch: with offload, the first gradient accumulated in backward starts loading the
-            next step's first chunks of state (``prefetch()``; default True; eager CUDA steps
-            only: a CUDA graph runs its own loads). ``False``: no hooks.
     """
 
     # dion's key for a parameter's step count (its adamw groups' ``state[p]["step_dev"]``).
@@ -225,14 +214,7 @@ class Muon(ChunkedOptimizer):
         newton_schulz_func: Callable | None = None,
         *,
         orthogonalizer: str | Callable | None = None,
-        offload: bool = False,
-        chunk_bytes: int | None = None,
-        resident_bytes: int | None = 0,
-        resident_chunk_bytes: int | None = None,
-        state_dtype: torch.dtype | None = None,
-        backend: str = "auto",
-        cuda_graph: bool | str = "auto",
-        prefetch: bool = True,
+        **settings,  # the engine's (SETTINGS_DOC, checked by Settings.check)
     ):
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")
@@ -272,19 +254,7 @@ class Muon(ChunkedOptimizer):
             flatten=flatten,
             adjust_lr=adjust_lr,
         )
-        super().__init__(
-            params,
-            defaults,
-            offload=offload,
-            chunk_bytes=chunk_bytes,
-            resident_bytes=resident_bytes,
-            resident_chunk_bytes=resident_chunk_bytes,
-            state_dtype=state_dtype,
-            backend=backend,
-            distributed_mesh=distributed_mesh,
-            cuda_graph=cuda_graph,
-            prefetch=prefetch,
-        )
+        super().__init__(params, defaults, distributed_mesh=distributed_mesh, **settings)
 
     @property
     def orthogonalizer(self):

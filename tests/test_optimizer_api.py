@@ -1,6 +1,7 @@
 """What a user of a torch.optim.Optimizer expects: checkpoints, schedulers, param groups,
 skipped parameters, and errors raised before anything is touched."""
 
+import inspect
 import io
 import re
 import warnings
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from muon_offload import AdamW, Muon
+from muon_offload.engine.settings import Settings
 from muon_offload.hyper import check_grad
 
 SHAPES = [(24, 40), (40, 24), (24, 40), (3, 8, 12), (77,), (5,)]
@@ -228,6 +230,21 @@ def test_bad_budgets_change_nothing():
     assert (opt.chunk_bytes, opt.resident_chunk_bytes, opt.cuda_graph) == (4096, 8192, "auto")
     opt.reconfigure(chunk_bytes=1024)  # the other budget is kept, not derived afresh
     assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1024, 8192)
+
+
+@pytest.mark.parametrize("cls", [Muon, AdamW])
+def test_settings_in_signature_and_docstring(cls):
+    """The engine's settings are the public constructors' keyword arguments, with the defaults
+    ``Settings.check`` gives them, each documented; an unknown one is refused."""
+    shown = inspect.signature(cls).parameters
+    doc = inspect.getdoc(cls)
+    for name, setting in inspect.signature(Settings.check).parameters.items():
+        if name != "backends":
+            assert shown[name].kind is inspect.Parameter.KEYWORD_ONLY
+            assert shown[name].default == setting.default, name
+            assert re.search(rf"^    {name}: ", doc, flags=re.M), name
+    with pytest.raises(TypeError, match="chunk_size"):
+        cls(_model()[:1], chunk_size=1024)
 
 
 def _break_grad(kind, params, which):

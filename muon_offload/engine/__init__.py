@@ -5,7 +5,7 @@
 - ``planner.py``: pure Python; cuts a step into units and chunks of ``chunk_bytes``.
 - ``scheduler.py``: owns the side streams, events and staging arena; load, update, store.
 - ``state.py`` / ``host_slabs.py``: where state lives; pinned host slabs allocated once.
-- ``settings.py``: the constructor arguments, checked.
+- ``settings.py``: the constructor settings: checked, defaulted and documented once.
 - ``chunks.py``: one chunk's state in order, its units run as tasks.
 - ``introspect.py``: the small surface tools read (host bytes, staging, timeline).
 - ``checkpoint.py``: ``load_state_dict``'s checks and copies.

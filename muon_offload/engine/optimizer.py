@@ -102,27 +102,10 @@ class ChunkedOptimizer(
         params,
         defaults: dict,
         *,
-        offload: bool,
-        chunk_bytes: int | None,
-        resident_bytes: int | None,
-        resident_chunk_bytes: int | None = None,
-        state_dtype: torch.dtype | None,
-        backend: str,
         distributed_mesh=None,
-        cuda_graph: bool | str = "auto",
-        prefetch: bool = True,
+        **settings,  # offload, chunk_bytes, ...: Settings.check's, with its defaults
     ):
-        settings = Settings.check(
-            offload=offload,
-            chunk_bytes=chunk_bytes,
-            resident_bytes=resident_bytes,
-            resident_chunk_bytes=resident_chunk_bytes,
-            state_dtype=state_dtype,
-            backend=backend,
-            cuda_graph=cuda_graph,
-            prefetch=prefetch,
-            backends=common_backends(self.algorithms.values()),
-        )
+        settings = Settings.check(**settings, backends=common_backends(self.algorithms.values()))
         mesh = resolve_mesh(distributed_mesh)
         capture_rules.check_settings(settings, mesh.group, self.algorithms.values())
         # As torch's optimizers: the hyper-parameters are checked before params is read.

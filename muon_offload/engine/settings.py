@@ -5,6 +5,7 @@ the state store read is always a checked whole."""
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,32 @@ DEFAULT_CHUNK_BYTES = 128 << 20
 # is the orthogonalizer's workspace, which scales with the batch.
 DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
 STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)
+
+# What each setting does, once: the docstrings of the classes that take them end with it
+# (``takes_settings``).
+SETTINGS_DOC = f"""
+    The engine's settings (keyword arguments):
+        offload: keep optimizer state in pinned host memory and stream it through the GPU in
+            chunks during ``step()``.
+        chunk_bytes: state bytes per chunk (default {DEFAULT_CHUNK_BYTES >> 20} MiB).
+        resident_bytes: with offload, this much state stays on the GPU (default 0).
+        resident_chunk_bytes: state bytes updated together where none is streamed (resident
+            state: all of it without offload): default {DEFAULT_RESIDENT_CHUNK_BYTES >> 20} MiB,
+            or ``chunk_bytes`` if larger. It sets how many same-shape matrices are
+            orthogonalized in one batch.
+        state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
+        backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
+        cuda_graph: ``"auto"`` (default): capture the step as a CUDA graph once it is stable
+            and replay it while the gradients, parameters and state stay where they are
+            (hyper-parameter changes reach the replay), wherever a graph can run (parameters
+            on CUDA, the Triton kernels, no ``distributed_mesh``, DTensor or ``closure``);
+            other steps run eagerly. ``True``: the same, but refuses what it cannot capture;
+            ``False``: never. The graph's memory pool (about one step's temporaries) is kept
+            from the caching allocator; see docs/usage.md ("CUDA graphs").
+        prefetch: with offload, the first gradient accumulated in backward starts loading the
+            next step's first chunks of state (``prefetch()``; default True; eager CUDA steps
+            only: a CUDA graph runs its own loads). ``False``: no hooks.
+"""
 
 
 def as_int(name: str, value, minimum: int, what: str) -> int:
@@ -55,17 +82,18 @@ class Settings:
     def check(
         cls,
         *,
-        offload,
-        chunk_bytes,
-        resident_bytes,
-        resident_chunk_bytes,
-        state_dtype,
-        backend,
-        cuda_graph="auto",
-        prefetch=True,
+        offload: bool = False,
+        chunk_bytes: int | None = None,
+        resident_bytes: int | None = 0,
+        resident_chunk_bytes: int | None = None,
+        state_dtype: torch.dtype | None = None,
+        backend: str = "auto",
+        cuda_graph: bool | str = "auto",
+        prefetch: bool = True,
         backends: Sequence[str] = BACKENDS,
     ) -> Settings:
-        """``backends``: the ``backend`` settings every algorithm's launchers take
+        """The constructors' settings (``SETTINGS_DOC``), their defaults here alone.
+        ``backends``: the ``backend`` settings every algorithm's launchers take
         (``algorithm.common_backends``)."""
         # "no" or 0.0 would read as a truth value; say what is wanted instead.
         if not isinstance(offload, bool):
@@ -136,3 +164,17 @@ class SettingsMixin:
     def _changed_settings(self, **changes) -> Settings:
         """The settings with ``changes``, checked as the constructor's were."""
         return self._settings.replace(common_backends(self.algorithms.values()), **changes)
+
+
+def takes_settings(cls):
+    """For a class whose ``__init__`` ends with ``**settings`` (passed on to ``Settings.check``):
+    its signature (``inspect.signature``, ``help``) shows each setting as a keyword argument
+    with its default, and its docstring ends with what they do (``SETTINGS_DOC``)."""
+    own = inspect.signature(cls.__init__).parameters.values()
+    settings = inspect.signature(Settings.check).parameters.values()
+    cls.__init__.__signature__ = inspect.Signature(
+        [p for p in own if p.kind is not p.VAR_KEYWORD]
+        + [p for p in settings if p.name != "backends"]
+    )
+    cls.__doc__ = (cls.__doc__ or "") + SETTINGS_DOC
+    return cls
