@@ -9,6 +9,7 @@
 - ``chunks.py``: one chunk's state in order, its units run as tasks.
 - ``introspect.py``: the small surface tools read (host bytes, staging, timeline).
 - ``checkpoint.py``: ``load_state_dict``'s checks and copies.
+- ``saved_groups.py``: a loaded state dict's structure and groups, checked first.
 - ``interrupt.py``: what a step stopped by an exception updated (``StepInterrupted``).
 - ``algorithm.py``: what the engine asks of an algorithm (its update, scalars, budget rule,
   backends); each algorithm's launchers live beside it (``muon_launch.py``, ``elementwise.py``).

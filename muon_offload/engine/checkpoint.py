@@ -24,6 +24,7 @@ from ..distributed import DTensor, local, resolve_mesh
 from ..hyper import Hyper
 from ..muon_shapes import matrix_count
 from . import capture_rules
+from .saved_groups import carried, check_groups, check_structure, listed_keys, names_no_parameter
 from .sharded_scales import crop, lay_out, strip_rank_dims
 from .state import key_shapes
 from .state_format import Dense, StateFormat, StatePolicy
@@ -32,69 +33,6 @@ from .step_counts import loaded_counts
 # State may arrive in any of the dtypes our, dion's or torch's optimizers keep it in; others
 # (fp64, integers, complex) are not optimizer state of these algorithms.
 LOADABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_structure(state_dict) -> tuple[list[dict], Mapping]:
-    """The saved groups and state of a well-formed optimizer state dict."""
-    if not isinstance(state_dict, Mapping):
-        raise ValueError(f"expected an optimizer state dict, got {type(state_dict).__name__}")
-    groups, state = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(groups, Sequence) or not isinstance(state, Mapping):
-        raise ValueError("an optimizer state dict has 'param_groups' (a list) and 'state' (a dict)")
-    for i, group in enumerate(groups):
-        if not isinstance(group, Mapping) or not isinstance(group.get("params"), Sequence):
-            raise ValueError(f"loaded param group {i} is not a dict with a 'params' list")
-    listed = _listed(groups)
-    for key, values in state.items():
-        if (isinstance(key, int) or key in listed) and not isinstance(values, Mapping):
-            raise ValueError(f"loaded state of parameter {key!r} is not a dict")
-    return list(groups), state
-
-
-def _listed(saved_groups) -> set:
-    """The parameter keys the saved groups list: int indices, or the names that
-    torch.distributed.checkpoint's state-dict helpers put in their place."""
-    return {key for group in saved_groups for key in group["params"]}
-
-
-def names_no_parameter(key, listed: set) -> bool:
-    """Whether a saved state entry names no parameter: a key that no saved group lists and that
-    is no int index (those must be listed: a parameter the groups lost)."""
-    return key not in listed and not isinstance(key, int)
-
-
-def carried(saved_state: Mapping, saved_groups) -> dict:
-    """The entries that name no parameter: a hook's own, which torch's optimizers carry
-    through ``state_dict`` and ``load_state_dict`` as they are."""
-    listed = _listed(saved_groups)
-    return {k: v for k, v in saved_state.items() if names_no_parameter(k, listed)}
-
-
-def check_groups(param_groups: list[dict], saved_groups: list[dict]) -> list[dict]:
-    """The groups after loading: saved settings, live parameters."""
-    if len(saved_groups) != len(param_groups):
-        raise ValueError(
-            f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
-            f"{len(param_groups)}"
-        )
-    for i, (ours, saved) in enumerate(zip(param_groups, saved_groups, strict=True)):
-        if len(ours["params"]) != len(saved["params"]):
-            raise ValueError(
-                f"param group {i}: loaded state dict has {len(saved['params'])} parameters, "
-                f"the optimizer {len(ours['params'])}"
-            )
-        algorithm = saved.get("algorithm", ours.get("algorithm"))
-        if algorithm != ours.get("algorithm"):
-            # The state of one algorithm is not the state of another (momentum alone vs
-            # momentum and variance); change a group's algorithm in a new optimizer instead.
-            raise ValueError(
-                f"param group {i}: loaded algorithm {algorithm!r} differs from the optimizer's "
-                f"{ours.get('algorithm')!r}"
-            )
-    return [
-        {**ours, **saved, "params": ours["params"]}
-        for ours, saved in zip(param_groups, saved_groups, strict=True)
-    ]
 
 
 # A loaded key: its format and tensors (one dense; codes and scales for 8-bit), local.
@@ -123,7 +61,7 @@ def check_state(
         for saved_id, p in zip(saved["params"], ours["params"], strict=True)
     }
     loaded: dict[Tensor, dict[str, Entry]] = {}
-    listed = _listed(saved_groups)
+    listed = listed_keys(saved_groups)
     for saved_id, values in saved_state.items():
         if names_no_parameter(saved_id, listed):  # a hook's own (``carried``)
             continue
