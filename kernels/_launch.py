@@ -71,7 +71,8 @@ def capturing(device: torch.device) -> bool:
     )
 
 
-# This thread is inside ``precompile.compiling_ahead``: its launches only compile (``.on``).
+# This thread is inside ``precompile.compiling_ahead``: its launches only compile (``.on``);
+# ``.undecided``: the (kernel, key) that the tuner's last choice left to the step.
 AHEAD = threading.local()
 
 
@@ -305,6 +306,7 @@ class Tuner:
             for config in configs:
                 with contextlib.suppress(Exception):
                     bench(config)
+            AHEAD.undecided = (kernel, key)  # for ``choices``
             return configs[0]
         self._notice(name, path)
         timings, failures = [], []
@@ -331,6 +333,16 @@ class Tuner:
             self._chosen[fast_key] = best
             self._save(path)
         return best
+
+    def choices(self, kernel: str, key: tuple, configs: Sequence[Config], *args) -> tuple:
+        """``choose``'s config (same arguments); inside ``compiling_ahead``, for a key left to
+        the step, every candidate: the winner's launch there is the caller's variant, not the
+        timing's (its sizes and alignment, a fused apply or flag the bench leaves out), so the
+        caller launches each in the block and whichever wins finds its binary compiled."""
+        AHEAD.undecided = None
+        config = self.choose(kernel, key, configs, *args)
+        undecided, AHEAD.undecided = AHEAD.undecided, None
+        return tuple(configs) if undecided == (kernel, key) else (config,)
 
 
 TUNER = Tuner()

@@ -222,10 +222,9 @@ def _launch_segments(
     device = lists[0][0].device
     if len(groups) == 1 and all(aligned):  # the usual case: one launch over everything
         ((dtypes, _),) = groups.items()
-        config = _choose(kernel, name, lists, numels, dtypes, scalars, cautious)
-        _launch_group(
-            kernel, name, device, ptrs, grad_table, numels, dtypes, scalars, config, True, cautious
-        )
+        for config in _choose(kernel, name, lists, numels, dtypes, scalars, cautious):
+            args = (ptrs, grad_table, numels, dtypes, scalars, config, True, cautious)
+            _launch_group(kernel, name, device, *args)
         return
     for dtypes, members in groups.items():
         for flag in (True, False):
@@ -234,10 +233,10 @@ def _launch_segments(
                 continue
             group = [[tensors[i] for i in part] for tensors in lists]
             sizes = [numels[i] for i in part]
-            config = _choose(kernel, name, group, sizes, dtypes, scalars, cautious)
             part_ptrs = [[col[i] for i in part] for col in ptrs]
-            args = (part_ptrs, grad_table, sizes, dtypes, scalars, config, flag, cautious)
-            _launch_group(kernel, name, device, *args)
+            for config in _choose(kernel, name, group, sizes, dtypes, scalars, cautious):
+                args = (part_ptrs, grad_table, sizes, dtypes, scalars, config, flag, cautious)
+                _launch_group(kernel, name, device, *args)
 
 
 def _launch_group(
@@ -283,7 +282,9 @@ def _launch_group(
     )
 
 
-def _choose(kernel, name, group, sizes, dtypes, scalars, cautious) -> Config:
+def _choose(kernel, name, group, sizes, dtypes, scalars, cautious) -> tuple[Config, ...]:
+    """The configs to launch with (``Tuner.choices``: every candidate inside compiling_ahead,
+    where the bench's aligned scratch does not compile an unaligned group's variant)."""
     device = group[0][0].device
     key = (",".join(dtype_name(d) for d in dtypes), bucket(sum(sizes)), bucket(len(sizes)))
 
@@ -296,7 +297,7 @@ def _choose(kernel, name, group, sizes, dtypes, scalars, cautious) -> Config:
         args = (ptrs, grad_table, sizes, dtypes, scalars, config, aligned, cautious)
         return bench_ms(lambda: _launch_group(kernel, name, device, *args))
 
-    return TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
+    return TUNER.choices(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
 
 
 def _on(tensors: Sequence[Tensor]) -> torch.device:

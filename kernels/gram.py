@@ -263,9 +263,10 @@ def sym_gram(
         return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config, ss))
 
     configs = fitting(GRAM_CONFIGS if tma else GRAM_POINTER_CONFIGS, m_class)
-    config = TUNER.choose("sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, bench)
     w = x if w is None else w
-    _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config, scale)
+    # Every candidate inside compiling_ahead (``Tuner.choices``): x's sizes, not the class's.
+    for config in TUNER.choices("sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, bench):
+        _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config, scale)
     return out
 
 

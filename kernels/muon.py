@@ -272,9 +272,12 @@ def muon_prep(
             )
         )
 
-    config = TUNER.choose("muon_prep", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
     partial = torch.empty(batch, groups_for(numel), device=device)
-    _prep_launch(momentums, grads, grad_index, mu, bool(nesterov), out, partial, config)
+    # Every candidate inside compiling_ahead (``Tuner.choices``): the caller's alignment.
+    for config in TUNER.choices(
+        "muon_prep", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench
+    ):
+        _prep_launch(momentums, grads, grad_index, mu, bool(nesterov), out, partial, config)
     sum_partials(partial, sumsq)
     return out, sumsq
 
@@ -354,8 +357,12 @@ def muon_apply_from_(
             ).copy_(scratch_u)
         return bench_ms(lambda: _apply_launch(scratch_x, scratch_u, rows, cols, scalars, config))
 
-    config = TUNER.choose("muon_apply", key, APPLY_CONFIGS, APPLY_INTERPRETER_CONFIG, device, bench)
-    _apply_launch(params, update, rows, cols, scalars, config, cautious_wd)
+    # Every candidate inside compiling_ahead (``Tuner.choices``): the caller's alignment and
+    # ``cautious_wd``, which the bench leaves out.
+    for config in TUNER.choices(
+        "muon_apply", key, APPLY_CONFIGS, APPLY_INTERPRETER_CONFIG, device, bench
+    ):
+        _apply_launch(params, update, rows, cols, scalars, config, cautious_wd)
 
 
 def param_apply(params: Sequence[Tensor], cols: int, scalars: Tensor) -> ParamApply:

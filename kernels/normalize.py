@@ -149,10 +149,11 @@ def normalize(
         return bench_ms(lambda: launch(config, scratch))
 
     key = (bucket(numel), dtype_name(u.dtype), dtype_name(out_dtype))  # never the batch
-    config = TUNER.choose(
+    # Every candidate inside compiling_ahead (``Tuner.choices``).
+    for config in TUNER.choices(
         "normalize", key, NORMALIZE_CONFIGS, NORMALIZE_INTERPRETER_CONFIG, u.device, bench
-    )
-    launch(config, out)
+    ):
+        launch(config, out)
     return _like(out, u)
 
 

@@ -296,11 +296,13 @@ def poly_apply(
     else:
         configs = POLY_APPLY_CONFIGS if tma else POLY_APPLY_POINTER_CONFIGS
     configs = fitting(configs, m_class, n_class)
-    config = TUNER.choose(
-        "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
-    )
     apply = apply_kernel_args(apply_to, out_dtype, x)
-    _launch(poly, x, x if out is None else out, float(alpha), config, scale, apply)
+    # Every candidate inside compiling_ahead (``Tuner.choices``): the fused apply is a variant
+    # of its own, which the bench never launches.
+    for config in TUNER.choices(
+        "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
+    ):
+        _launch(poly, x, x if out is None else out, float(alpha), config, scale, apply)
     return out
 
 

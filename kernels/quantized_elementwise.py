@@ -262,8 +262,9 @@ def _launch_segments(kernel, name, params, grads, states, scalars, index, cautio
             return bench_ms(lambda: launch(tuple(ptrs), scratch_table, config))
 
         key = (dtype_name(p_dtype), dtype_name(g_dtype), bucket(sum(sizes)), bucket(len(sizes)))
-        config = TUNER.choose(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench)
-        launch(ptrs, grad_table, config)
+        # Every candidate inside compiling_ahead (``Tuner.choices``).
+        for config in TUNER.choices(name, key, CONFIGS, INTERPRETER_CONFIG, device, bench):
+            launch(ptrs, grad_table, config)
 
 
 def adamw8_(

@@ -213,9 +213,14 @@ def muon_prep8(
             lambda: _prep8_launch(codes, scales, g, None, mu, nesterov, scratch_out, part, config)
         )
 
-    config = TUNER.choose("muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench)
-    partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
-    _prep8_launch(m_codes, m_scales, grads, grad_index, mu, bool(nesterov), out, partial, config)
+    # Every candidate inside compiling_ahead (``Tuner.choices``): the caller's alignment.
+    for config in TUNER.choices(
+        "muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench
+    ):
+        partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+        _prep8_launch(
+            m_codes, m_scales, grads, grad_index, mu, bool(nesterov), out, partial, config
+        )
     # Adds only: no contraction to choose, named so that no Triton default applies.
     _row_sum_kernel[(batch,)](
         partial, sumsq, partial.shape[1], BLOCK=SUM_BLOCK, enable_fp_fusion=False

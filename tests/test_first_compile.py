@@ -289,13 +289,20 @@ def test_a_fresh_machines_first_step_compiles_its_kernels_on_the_pool(tmp_path, 
 
 
 @pytest.mark.cuda
-def test_a_first_step_that_tunes_finds_every_candidate_compiled(tmp_path):
+@pytest.mark.parametrize(
+    "shapes",
+    [[(1024, 512), (1024, 512), (48, 256, 512), (512, 1024)], None],
+    ids=["multiples-of-16", "odd-sizes"],
+)
+def test_a_first_step_that_tunes_finds_every_candidate_compiled(tmp_path, shapes):
     """Tuning on, an empty tuning cache and no shipped table: every key is timed in the step,
-    on candidates the pass compiled (each of them), and the winner's launch on the step's own
-    sizes is compiled too where those sizes specialize as the class's do (multiples of 16;
-    an odd size's winner other than the first candidate compiles in the step)."""
-    shapes = [(1024, 512), (1024, 512), (48, 256, 512), (512, 1024)]
-    kw = dict(MODELS[1], shapes=shapes, no_table=True)
+    on candidates the pass compiled (each of them), and the winner's launch is compiled too:
+    in the pass a launch whose key is not decided yet compiles with every candidate
+    (``Tuner.choices``), at the step's own sizes and alignment and with what the timing
+    leaves out (the fused apply of the last product), whichever candidate wins."""
+    kw = dict(MODELS[1], no_table=True)
+    if shapes is not None:  # None: the script's own, odd sizes among them
+        kw["shapes"] = shapes
     on = _first_steps(tmp_path, "tune", kw, "1", tune=True)
     outside = [t for t in on["compiles"] if not t.startswith("muon-offload-load")]
     assert on["compiles"] and not outside, f"{len(outside)} variants compiled outside the pool"

@@ -2,6 +2,7 @@
 what a launch inside the block does, the pool's compiles, the tuner inside the block; and on a
 GPU, a fresh-cache first step whose kernels all compile on the pool, with the same results."""
 
+import contextlib
 import inspect
 import json
 import os
@@ -110,6 +111,143 @@ def test_inside_the_block_the_tuner_compiles_every_candidate_and_decides_nothing
         got = tuner.choose("k", (1,), configs, configs[0], CUDA, bench)
     assert got == configs[0] and benched == list(configs)
     assert not tuner._chosen and not tuner._memory and not (tmp_path / "t.json").exists()
+
+
+def test_inside_the_block_only_an_undecided_key_launches_every_candidate(
+    monkeypatch, compiled_kind, tmp_path
+):
+    tuner = _launch.Tuner()
+    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
+    configs = (_launch.Config(block=64), _launch.Config(block=128))
+    timed = tuner.choose("k", ("decided",), configs, configs[0], CUDA, lambda c: -c.block)
+    assert timed == configs[1]
+    with precompile.compiling_ahead(CUDA):
+        bench = lambda c: _launch.bench_ms(lambda: None)  # noqa: E731
+        assert tuner.choices("k", ("decided",), configs, configs[0], CUDA, bench) == (timed,)
+        assert tuner.choices("k", ("new",), configs, configs[0], CUDA, bench) == configs
+    assert tuner.choices("k", ("decided",), configs, configs[0], CUDA, None) == (timed,)
+
+
+class _OnAGpu:
+    """A launcher's tuner, told that its CPU tensors are on a GPU."""
+
+    def __init__(self, tuner) -> None:
+        self.tuner = tuner
+
+    def choose(self, kernel, key, configs, interpreter_config, device, bench, force=False):
+        return self.tuner.choose(kernel, key, configs, interpreter_config, CUDA, bench, force)
+
+    def choices(self, kernel, key, configs, interpreter_config, device, bench):
+        return self.tuner.choices(kernel, key, configs, interpreter_config, CUDA, bench)
+
+
+def _variants(monkeypatch, module, name: str) -> list[str]:
+    """Replace ``module``'s kernel ``name`` by a stand-in that records, for each launch, the
+    variant Triton's JIT compiles for it on sm_90 (its binder's specialization of the
+    arguments: ints equal to 1 or multiples of 16, pointer alignment, constexprs; and the
+    options); nothing runs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = getattr(module, name)
+    if not isinstance(kernel, JITFunction):  # interpreted: the same function, compiled kind
+        kernel = JITFunction(kernel.fn, do_not_specialize=kernel.kwargs["do_not_specialize"])
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    with monkeypatch.context() as env:  # triton 3.9's binder imports gluon, which asks for it
+        env.setenv("TRITON_INTERPRET", "1")
+        with contextlib.suppress(ImportError):
+            import triton.experimental.gluon  # noqa: F401
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    seen: list[str] = []
+
+    class StandIn:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(repr(binder(*args, **kwargs)[1:]))
+
+    monkeypatch.setattr(module, name, StandIn())
+    return seen
+
+
+def _poly_apply_fused():
+    from muon_offload.kernels import muon, poly_apply
+
+    params = [torch.zeros(256, 256) for _ in range(2)]  # a class that several tiles fit
+    scalars = torch.zeros(2)
+    x, poly = (torch.zeros(2, 256, 256, dtype=torch.bfloat16) for _ in range(2))
+    apply_to = muon.param_apply(params, 256, scalars)
+    return (
+        poly_apply,
+        "_poly_apply_kernel",
+        "poly_apply",
+        lambda: poly_apply.poly_apply(
+            poly, x, alpha=2.0, out_dtype=torch.bfloat16, apply_to=apply_to
+        ),
+    )
+
+
+def _muon_apply_cautious():
+    from muon_offload.kernels import muon
+
+    params, u = [torch.zeros(64, 128) for _ in range(2)], torch.zeros(2, 64, 128).bfloat16()
+    scalars = torch.zeros(2)
+    return (
+        muon,
+        "_muon_apply_kernel",
+        "muon_apply",
+        lambda: muon.muon_apply_from_(params, u, scalars, cautious_wd=True),
+    )
+
+
+def _adamw_unaligned():
+    from muon_offload.kernels import elementwise
+
+    lists = [[torch.zeros(4100)[1:]] for _ in range(4)]  # 4 bytes into their storage
+    scalars = torch.zeros(7)
+    return (
+        elementwise,
+        "_adamw_kernel",
+        "adamw",
+        lambda: elementwise.adamw_from_(*(tensors for tensors in lists), scalars),
+    )
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [_poly_apply_fused, _muon_apply_cautious, _adamw_unaligned],
+    ids=["poly_apply-fused-apply", "muon_apply-cautious", "adamw-unaligned"],
+)
+def test_inside_the_block_a_launch_compiles_the_variant_the_tuning_picks(
+    monkeypatch, compiled_kind, tmp_path, launcher
+):
+    """A key not decided yet is decided in the step, after the pass; the winner's launch
+    there is the caller's variant, which the bench's scratch launches need not be (the fused
+    apply, ``cautious_wd``, an unaligned segment: found on the H200, where a tuned first step
+    compiled the fused apply of the candidates that won in the step). Inside the block the
+    launcher compiles its own launch with every candidate, so the step compiles nothing."""
+    module, name, kernel, call = launcher()
+    tuner = _launch.Tuner()
+    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
+    monkeypatch.setattr(module, "TUNER", _OnAGpu(tuner))
+    times = iter(range(1000, 0, -1))
+
+    def bench_ms(fn):  # each later candidate faster: the last one wins
+        fn()
+        return float(next(times))
+
+    monkeypatch.setattr(module, "bench_ms", bench_ms)
+    launched = _variants(monkeypatch, module, name)
+    with precompile.compiling_ahead(CUDA) as ahead:
+        assert ahead
+        call()
+    compiled_ahead = set(launched)
+    assert not tuner._chosen  # nothing decided in the block
+    launched.clear()
+    call()  # the step: the candidates timed, then the winner's launch
+    timed = list(tuner.last[kernel]["all_ms"])  # the candidates' labels, in their order
+    won = _launch.Config(**tuner.last[kernel]["config"]).label()
+    assert timed.index(won) == len(timed) - 1 > 0  # not the first: the block's own launch
+    assert launched[-1] in compiled_ahead
 
 
 _WORKER_ROUND_TRIP = textwrap.dedent(
