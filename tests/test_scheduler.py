@@ -18,6 +18,7 @@ from muon_offload.engine.scheduler import (
     place,
     plan_transfer,
 )
+from muon_offload.engine.transfer import plan_transfers
 
 MIB = 1 << 20
 
@@ -477,3 +478,40 @@ def test_optimizer_runs_elementwise_only_chunks_on_the_side_stream(
     ]
     assert ran == want * 4
     assert_bitwise((off_params, off), (res_params, res))
+
+
+def test_runs_span_padding_but_never_a_tensor_of_another_chunk():
+    """``plan_transfers``: a chunk's run merges two of its tensors over the padding between
+    them, not over a piece of another chunk lying there (its store would write back the bytes
+    it loaded over that chunk's update)."""
+    slab = torch.zeros(4 * ALIGN_BYTES, dtype=torch.uint8)
+    mine, theirs = [slab[0:100], slab[ALIGN_BYTES : ALIGN_BYTES + 64]], [slab[100:140]]
+    assert len(plan_transfer(mine).runs) == 1  # alone: one run over bytes 100..255
+    split, none, other = plan_transfers([mine, None, theirs])
+    assert none is None and len(split.runs) == 2 and len(other.runs) == 1
+    assert [r.host.numel() for r in split.runs] == [100, 64]
+    # Over padding only (their piece before mine): still one run.
+    after = [slab[140:200], slab[ALIGN_BYTES : ALIGN_BYTES + 64]]
+    assert len(plan_transfers([after, theirs])[0].runs) == 1
+
+
+INT8_STACKS = [(64, 80), (64, 80), (40, 64), (2, 64, 80), (4500,), (4200,)]
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.int8])
+def test_tensors_cut_between_chunks_through_the_stream_code_equal_resident(
+    monkeypatch, state_dtype
+):
+    """A stack cut by matrix and element-wise tensors cut in segments, through the CUDA path
+    on stand-ins (copies run in the order queued: a load queued ahead runs before the stores of
+    the chunks whose bytes it does not take). The 8-bit scales of one matrix of a stack lie in
+    the padding between the codes and scales of the next: a run spanning them wrote the
+    matrix's old scales back over its update. Two steps equal the resident ones bitwise."""
+    cuda = _Cuda(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    init = [torch.randn(s, generator=gen) for s in INT8_STACKS]
+    kwargs = dict(steps=2, state_dtype=state_dtype, backend="torch", cuda_graph=False)
+    resident = mixed_run(init, 4, 1, seed=50, **kwargs)
+    sched = cuda.scheduler()
+    off = mixed_run(init, 4, 1, 50, scheduler=sched, offload=True, chunk_bytes=6000, **kwargs)
+    assert_bitwise(off, resident)

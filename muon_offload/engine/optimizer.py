@@ -53,11 +53,12 @@ from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, elementwise_only, plan_step
 from .prefetch import PrefetchMixin
 from .scalars import ScalarTable, scalar_table
-from .scheduler import StreamScheduler, Transfer, plan_transfer
+from .scheduler import StreamScheduler, Transfer
 from .settings import Settings, SettingsMixin
 from .sharded_scales import HandedScales
 from .state import StateMixin, StateStore
 from .step_counts import StepCounts, split_by_count
+from .transfer import plan_transfers
 
 log = logging.getLogger(__name__)
 
@@ -354,13 +355,14 @@ def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:
 
 
 def _transfers(plan, state, store, work: StepWork) -> list:
-    """Per chunk of ``plan``, its state's host-device transfers; None for a resident chunk."""
-    return [
-        None
-        if chunk.resident
-        else plan_transfer(chunk_state(state, store.formats, chunk, work), store.host.slab_of)
+    """Per chunk of ``plan``, its state's host-device transfers; None for a resident chunk.
+    No chunk's runs span another's bytes (``plan_transfers``)."""
+    chunks = [
+        None if chunk.resident else chunk_state(state, store.formats, chunk, work)
         for chunk in plan.chunks
     ]
+    streamed = any(c is not None for c in chunks)
+    return plan_transfers(chunks, store.host.slab_of) if streamed else chunks
 
 
 def _which(work: StepWork) -> tuple:

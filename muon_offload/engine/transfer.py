@@ -1,9 +1,17 @@
 """How one chunk's state travels between the host slabs and the staging arena: its tensors
 merged into contiguous runs of host bytes, and where each lands in the chunk's staging bytes
-(``plan_transfer``, made once per plan; the scheduler copies the runs)."""
+(``plan_transfer``, made once per plan; the scheduler copies the runs).
+
+A run spans the padding between two tensors, never a byte of another tensor of the step
+(``plan_transfers``): a chunk's store writes back every byte of its runs, so a run over a piece
+of another chunk (the 8-bit scales of one matrix of a stack, lying between the codes and scales
+of the next) wrote back the bytes it loaded over that chunk's update whenever it loaded before
+that chunk's store (its load waits only for the stores whose staging bytes it takes).
+"""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,14 +51,36 @@ def _own_bytes(t: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
 
 
+def plan_transfers(
+    chunks: Sequence[Sequence[Tensor] | None], base_of: Callable[[Tensor], Tensor] = _own_bytes
+) -> list[Transfer | None]:
+    """``plan_transfer`` of each chunk's tensors (None: a chunk that is not streamed), no run
+    spanning a byte of any tensor of any of them."""
+    starts = sorted(_byte_view(t)[0] for ts in chunks if ts for t in ts if t.numel())
+    return [None if ts is None else plan_transfer(ts, base_of, starts) for ts in chunks]
+
+
+def _free(starts: Sequence[int] | None, start: int, end: int) -> bool:
+    """Whether no tensor starts in [start, end) (tensors are disjoint: none spans ``start``,
+    where the run's last tensor ends)."""
+    if starts is None:
+        return True
+    i = bisect.bisect_left(starts, start)
+    return i == len(starts) or starts[i] >= end
+
+
 def plan_transfer(
-    tensors: Sequence[Tensor], base_of: Callable[[Tensor], Tensor] = _own_bytes
+    tensors: Sequence[Tensor],
+    base_of: Callable[[Tensor], Tensor] = _own_bytes,
+    starts: Sequence[int] | None = None,
 ) -> Transfer:
     """Merge tensors that are adjacent in host memory (up to alignment padding) into runs.
 
     ``base_of(t)`` is a uint8 tensor that holds ``t`` (the host slab); tensors merge only
-    within one base. Each run lands in staging at an offset with the same residue modulo
-    ALIGN_BYTES as its host address, so every tensor keeps its host alignment on the device.
+    within one base, and, with ``starts`` (the sorted addresses of every tensor that other
+    runs may move, ``plan_transfers``), only over padding: no tensor starts in between. Each
+    run lands in staging at an offset with the same residue modulo ALIGN_BYTES as its host
+    address, so every tensor keeps its host alignment on the device.
     """
     runs: list[_Run] = []
     views: list[tuple[int, torch.Size, torch.dtype]] = []
@@ -74,6 +104,7 @@ def plan_transfer(
             run_start is not None
             and base.data_ptr() == run_base.data_ptr()
             and 0 <= addr - run_end < ALIGN_BYTES
+            and _free(starts, run_end, addr)
         )
         if not contiguous:
             close_run()
