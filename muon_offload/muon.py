@@ -59,6 +59,12 @@ class MuonUpdate(Algorithm):
         rows, cols = matrix_view_shape(shape, False)
         return tuple(k * rows * cols for k in range(matrix_count(shape, False)))
 
+    def matrices(self, shape: torch.Size, hyper: Hyper) -> int:
+        """A stack's matrices (each orthogonalized on its own, so the planner may cut between
+        them); one for a 2-D weight (``num_heads`` ones too: the update cuts their heads from
+        the whole) and for a ``flatten`` group's."""
+        return matrix_count(shape, hyper.flatten)
+
     def budget_bytes(self, state_bytes: int, numel: int, mesh_size: int) -> int:
         """State narrower than fp32 counts as fp32: a Muon chunk's work on the GPU (the bf16
         update, the Gram products) grows with its matrices, not with the state's width. Counted

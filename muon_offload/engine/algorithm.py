@@ -131,6 +131,15 @@ class Algorithm:
             for key, kind in zip(self.state_keys, self.state_kinds, strict=True)
         )
 
+    def matrices(self, shape: torch.Size, hyper: Hyper) -> int:
+        """How many matrices a parameter of ``shape`` in a group read as ``hyper`` is to the
+        update: a block-scaled state counts its blocks per matrix, and the planner may cut a
+        parameter over budget between them (``ParamInfo.matrices``; never a DTensor's, whose
+        collectives take whole local stacks). 1, the default: one piece, never cut, as an
+        algorithm needs whose statistics span the whole parameter (a factored second moment's
+        row and column means). Element-wise algorithms are cut anywhere instead."""
+        return 1
+
     def scalars(self, hyper: Hyper, step: int, shape: tuple | None) -> tuple[float, ...]:
         """The runtime scalars of a unit's launches this step (``UnitJob.scalars`` on the
         device), computed as the kernels' launchers compute them from Python numbers.

@@ -22,7 +22,6 @@ from torch import Tensor
 
 from ..distributed import DTensor, local, resolve_mesh
 from ..hyper import Hyper
-from ..muon_shapes import matrix_count
 from . import capture_rules
 from .saved_groups import carried, check_groups, check_structure, listed_keys, names_no_parameter
 from .sharded_scales import crop, lay_out, strip_rank_dims
@@ -224,10 +223,8 @@ def copy_state(opt, loaded: dict[Tensor, dict[str, Entry]]) -> None:
 
 def loaded_matrices(opt, hyper: Hyper, p: Tensor) -> int:
     """How many matrices ``p``'s state counts blocks over on this rank in a group read as
-    ``hyper``: a Muon stack's, unless it flattens; 1 for element-wise groups."""
-    if opt.algorithms[hyper.algorithm].elementwise:
-        return 1
-    return matrix_count(local(p).shape, hyper.flatten)
+    ``hyper``: its algorithm's (``Algorithm.matrices``: a Muon stack's, unless it flattens)."""
+    return opt.algorithms[hyper.algorithm].matrices(local(p).shape, hyper)
 
 
 def loadable_formats(opt, p: Tensor) -> tuple[StateFormat, ...]:

@@ -69,7 +69,7 @@ class ParamInfo:
     # unit is one kernel's work.
     unit_key: Hashable = None
     # Matrix parameters: how many equal matrices it may be cut into at their boundaries (a
-    # stack's, ``muon_shapes.matrix_count``), when its state is over budget; 1 keeps it whole.
+    # stack's: ``Algorithm.matrices``), when its state is over budget; 1 keeps it whole.
     # Set from shapes and settings alone, so every rank cuts the same pieces.
     matrices: int = 1
     # Whether the algorithm may see the parameter cut into segments (``Algorithm.elementwise``):

@@ -157,14 +157,15 @@ def lay_out(opt, state_dict: dict) -> dict:
     """``state_dict`` with the scales of every 8-bit DTensor parameter made rank-major (each
     entry a new dict: torch's ``state_dict()`` shares them with the live state); the rows that
     copy the live scales are remembered in ``opt._handed_scales`` (``HandedScales``)."""
-    state = state_dict["state"]
+    state, hypers = state_dict["state"], None
     for i, (gi, p) in enumerate(opt._params()):
         fmt = opt._store.formats.get(p)
         if not isinstance(p, DTensor) or fmt is None or i not in state:
             continue
+        hypers = hypers or opt._hypers()  # read once, where some parameter needs them
         largest = largest_shard_shape(p)
         algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
-        count = opt._matrix_count(gi, largest)
+        count = algorithm.matrices(largest, hypers[gi])
         # The side tensors' shapes for the largest shard (``StateFormat.is_side``).
         padded = {
             name: shape

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from ..distributed import DTensor, dtensor_around, local
 from ..hyper import Hyper, StepWork, check_state_fits, same_objects
-from ..muon_shapes import matrix_count
 from .assigned_state import HeldState
 from .host_slabs import HostSlabs
 from .planner import plan_step, unit_params
@@ -181,23 +180,13 @@ class StateMixin:
         algorithm = self.algorithms[hyper.algorithm]
         return algorithm.budget_bytes(self._plan_bytes(param, hyper), param.numel(), mesh)
 
-    def _matrix_count(self, gi: int, shape: torch.Size) -> int:
-        """How many matrices of ``shape`` a parameter of group ``gi`` holds for its state (8-bit
-        Muon momentum counts blocks per matrix); 1 for element-wise groups."""
-        group = self.param_groups[gi]
-        if self.algorithms[group["algorithm"]].elementwise:
-            return 1
-        return matrix_count(shape, bool(group.get("flatten", False)))
-
     def _cut_matrices(self, gi: int, p: Tensor, hyper: Hyper) -> int:
         """How many matrices the planner may cut a matrix parameter's state into when it is
-        over budget (``ParamInfo.matrices``: a stack's, each orthogonalized on its own); 1 keeps
-        it whole: a 2-D matrix (orthogonalization needs all of it), a ``flatten`` or
-        ``num_heads`` parameter (one matrix, or heads the update cuts from the whole weight),
-        and a DTensor, whose collectives take whole local stacks."""
-        if self.algorithms[hyper.algorithm].elementwise or hyper.num_heads:
-            return 1
-        return 1 if isinstance(p, DTensor) else self._matrix_count(gi, p.shape)
+        over budget (``ParamInfo.matrices``): its algorithm's (``Algorithm.matrices``: Muon's
+        stack, each matrix orthogonalized on its own); 1 keeps it whole, as for a DTensor,
+        whose collectives take whole local stacks."""
+        algorithm = self.algorithms[hyper.algorithm]
+        return 1 if isinstance(p, DTensor) else algorithm.matrices(p.shape, hyper)
 
     def _check_quantizable(self, gi: int) -> None:
         """Block-scaled state of DTensor parameters: Shard and Replicate placements only."""
@@ -207,7 +196,7 @@ class StateMixin:
     def _new_state(self, p: Tensor, hyper: Hyper, streamed: bool) -> NewState:
         algorithm = self.algorithms[hyper.algorithm]
         shape = local(p).shape
-        matrices = 1 if algorithm.elementwise else matrix_count(shape, hyper.flatten)
+        matrices = algorithm.matrices(shape, hyper)
         fmt = self._format(p)
         specs = StatePolicy.specs(fmt, shape, algorithm.state_shapes(shape), matrices)
         return NewState(p, fmt, specs, streamed)
