@@ -3,12 +3,19 @@ offloaded, engine. State keys are torch's (``exp_avg``, ``exp_avg_sq``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .elementwise import AdamWUpdate
 from .engine import ChunkedOptimizer
 from .engine.settings import takes_settings
 from .hyper import Hyper, read_torch_adamw_hyper, torch_betas
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
+
+    from .engine.settings import SettingsArgs
 
 
 @takes_settings
@@ -44,7 +51,7 @@ class AdamW(ChunkedOptimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        **settings,  # the engine's (SETTINGS_DOC, checked by Settings.check)
+        **settings: Unpack[SettingsArgs],  # the engine's (SETTINGS_DOC, Settings.check)
     ):
         defaults = dict(
             lr=lr,

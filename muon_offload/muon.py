@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,6 +27,11 @@ from .muon_shapes import (
     matrix_view_shape,
     split_lr_scales,
 )
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
+
+    from .engine.settings import SettingsArgs
 
 
 class MuonUpdate(Algorithm):
@@ -214,7 +220,7 @@ class Muon(ChunkedOptimizer):
         newton_schulz_func: Callable | None = None,
         *,
         orthogonalizer: str | Callable | None = None,
-        **settings,  # the engine's (SETTINGS_DOC, checked by Settings.check)
+        **settings: Unpack[SettingsArgs],  # the engine's (SETTINGS_DOC, Settings.check)
     ):
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair, got {betas!r}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from muon_offload import AdamW, Muon
-from muon_offload.engine.settings import Settings
+from muon_offload.engine.settings import Settings, SettingsArgs
 from muon_offload.hyper import check_grad
 
 SHAPES = [(24, 40), (40, 24), (24, 40), (3, 8, 12), (77,), (5,)]
@@ -245,6 +245,16 @@ def test_settings_in_signature_and_docstring(cls):
             assert re.search(rf"^    {name}: ", doc, flags=re.M), name
     with pytest.raises(TypeError, match="chunk_size"):
         cls(_model()[:1], chunk_size=1024)
+    # What type checkers see (``**settings: Unpack[SettingsArgs]``) names the same settings,
+    # with the annotations of Settings.check.
+    checked = {
+        name: p.annotation
+        for name, p in inspect.signature(Settings.check).parameters.items()
+        if name != "backends"
+    }
+    typed = {k: getattr(v, "__forward_arg__", v) for k, v in SettingsArgs.__annotations__.items()}
+    assert typed == checked
+    assert "Unpack[SettingsArgs]" in inspect.getsource(cls.__init__)
 
 
 def _break_grad(kind, params, which):

@@ -9,6 +9,7 @@ import inspect
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -65,6 +66,20 @@ def as_int(name: str, value, minimum: int, what: str) -> int:
 
 def check_positive_int(name: str, value) -> int:
     return as_int(name, value, 1, "a positive int")
+
+
+class SettingsArgs(TypedDict, total=False):
+    """``Settings.check``'s keyword arguments, for type checkers: the public constructors take
+    them as ``**settings: Unpack[SettingsArgs]`` (a test keeps the two lists equal)."""
+
+    offload: bool
+    chunk_bytes: int | None
+    resident_bytes: int | None
+    resident_chunk_bytes: int | None
+    state_dtype: torch.dtype | None
+    backend: str
+    cuda_graph: bool | str
+    prefetch: bool
 
 
 @dataclass(frozen=True)
