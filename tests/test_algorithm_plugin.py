@@ -1,28 +1,31 @@
 """An algorithm defined in this file alone, plugged into the engine through its one
 registration (a ``ChunkedOptimizer`` subclass naming it in ``algorithms``, with the
 ``_read_hyper`` that reads its groups): Adafactor (Shazeer & Stern, 2018) without momentum,
-relative step off (a fixed ``lr``), update clipping at ``d = 1`` and the paper's decay of
-``beta2``, ``beta2_t = 1 - t ** -0.8`` (``t``: the parameter's own step count, which the engine
-keeps and checkpoints because the algorithm says it counts steps).
+relative step off (a fixed ``lr``), update clipping at ``d = 1``, decoupled weight decay and the
+paper's decay of ``beta2``, ``beta2_t = 1 - t ** -0.8`` (``t``: the parameter's own step count,
+which the engine keeps and checkpoints because the algorithm says it counts steps).
 
 Its state is not shaped like its parameter: a 2-D parameter of shape (m, n) keeps a row vector
 of m and a column vector of n (the factored second moment, kept as means, as transformers'
-Adafactor keeps them: ``V = outer(R, C) / mean(R)``), a 1-D parameter one unfactored second
-moment of its own shape. The state keys and their shapes (``Algorithm.state_shapes``), what a
-parameter counts against the chunk budgets (``budget_bytes``: the update's full-size fp32
-temporaries, not its small state) and its kernels (a torch update, ``backends = ("torch",)``)
-all come from the algorithm. Checked here: the same bits resident, offloaded, part resident and
-chunked at several ``chunk_bytes`` (the chunk counts follow the algorithm's budget rule); equal
-to a float64 torch loop of the same rule; state_dict round trips bit for bit and resumes alike;
-a loaded state of the wrong shape is refused before anything is written.
+Adafactor keeps them: ``V = outer(R, C) / mean(R)``; a stack factors each matrix), a 1-D one an
+unfactored second moment of its own shape. The state keys and their shapes
+(``Algorithm.state_shapes``), what a parameter counts against the chunk budgets
+(``budget_bytes``: the update's full-size fp32 temporaries, not its small state), how its units
+are cut (``matrices``: never, the default) and its kernels (a torch update, ``backends``) all
+come from the algorithm. Checked here: the same bits resident, offloaded, part resident and
+chunked at several ``chunk_bytes`` (the chunk counts follow the algorithm's budget and cut
+rules); equal to a float64 torch loop of the rule within fp32 rounding; state_dict round trips
+bit for bit and resumes alike; a loaded state of the wrong shape is refused before anything is
+written.
 
-What the plug-in cannot do: its units are whole parameters, never cut (the row and column
-statistics span the whole matrix, so a matrix and its state go into one chunk: one larger than
-``chunk_bytes`` gets a chunk of its own), and only 1-D and 2-D parameters (a stack of matrices
-would be cut between its matrices by the engine's stack rule, whose state views assume state
-shaped like the parameter). It takes dense state only: the block-scaled formats lay their blocks
-out by the parameter's matrices. No Triton kernel, so no CUDA graph (``cuda_graph=True``
-refuses an algorithm whose launches read no step tables).
+What the plug-in cannot do: its units are whole parameters (the row and column means span the
+matrix), so one whose budget exceeds ``chunk_bytes`` gets a chunk of its own, and a stack is
+not cut between its matrices either (the formats' views of a stack's matrices assume state
+shaped like the parameter). Dense state only: block-scaled formats lay their blocks out over
+tensors of the parameter's shape (a key of another shape would be one run of blocks, untried
+here), and an element-wise algorithm's state must be shaped like its parameter (segments).
+DTensor parameters are untried (state of another shape stays a local tensor). No Triton kernel,
+so no CUDA graph (``cuda_graph=True`` refuses launches that read no step tables).
 """
 
 from __future__ import annotations
@@ -60,10 +63,12 @@ class AdafactorUpdate(Algorithm):
     backends = ("torch",)
 
     def state_shapes(self, shape: torch.Size) -> tuple[StateKey, ...]:
+        """Factored over the last two dims (leading ones batch matrices, as in transformers'
+        Adafactor): rows ``shape[:-1]``, columns ``shape[:-2] + shape[-1:]``."""
         row, col, full = self.state_keys
-        if len(shape) == 2:
+        if len(shape) >= 2:
             kind = self.state_kinds[0]
-            return (StateKey(row, kind, shape[:1]), StateKey(col, kind, shape[1:]))
+            return (StateKey(row, kind, shape[:-1]), StateKey(col, kind, shape[:-2] + shape[-1:]))
         return (StateKey(full, self.state_kinds[2], shape),)
 
     def budget_bytes(self, state_bytes: int, numel: int, mesh_size: int) -> int:
@@ -74,11 +79,12 @@ class AdafactorUpdate(Algorithm):
         beta2 = 1.0 - job.step**-h.decay
         for x, g, *state in zip(job.params, job.grads, *job.state, strict=True):
             g2 = g.float().square().add_(h.eps)
-            if x.ndim == 2:
+            if x.ndim >= 2:
                 row, col = state
-                row.mul_(beta2).add_(g2.mean(dim=1), alpha=1.0 - beta2)
-                col.mul_(beta2).add_(g2.mean(dim=0), alpha=1.0 - beta2)
-                v = torch.outer(row / row.mean(), col)
+                row.mul_(beta2).add_(g2.mean(dim=-1), alpha=1.0 - beta2)
+                col.mul_(beta2).add_(g2.mean(dim=-2), alpha=1.0 - beta2)
+                r = row / row.mean(dim=-1, keepdim=True)
+                v = r.unsqueeze(-1) * col.unsqueeze(-2)
             else:
                 (v,) = state
                 v.mul_(beta2).add_(g2, alpha=1.0 - beta2)
@@ -97,15 +103,15 @@ class Adafactor(ChunkedOptimizer):
 
     def _read_hyper(self, group: dict, index) -> Hyper:
         for p in group["params"]:
-            if p.ndim not in (1, 2):
-                raise ValueError(f"param group {index}: Adafactor takes 1-D and 2-D parameters")
+            if p.ndim < 1:
+                raise ValueError(f"param group {index}: Adafactor takes no 0-d parameters")
         return AdafactorHyper(
             "adafactor", float(group["lr"]), float(group["weight_decay"]), eps=EPS1
         )
 
 
 # Odd sizes; two parameters of one shape share a unit (a batch) unless a chunk cuts them apart.
-SHAPES = [(37, 53), (101,), (37, 53), (19, 70), (33,)]
+SHAPES = [(37, 53), (101,), (37, 53), (19, 70), (33,), (3, 11, 17)]
 HYPER = dict(lr=0.01, weight_decay=0.1)
 STEPS = 4
 SKIPS = {(2, 1)}  # (step, parameter) without a gradient: its count does not advance
@@ -147,14 +153,16 @@ def _chunks(opt) -> int:
     return len(opt._plans.last[1][0].chunks)  # the last step's plan
 
 
-# Each matrix counts 3 x 4 bytes an element against the budgets (37 x 53: 23,532 bytes; 19 x 70:
-# 15,960), its state 360 bytes: a budget of 25,000 holds one 37 x 53 matrix, and counted in
-# state bytes all five parameters would share one chunk.
+# Each parameter counts 3 x 4 bytes an element against the budgets (37 x 53: 23,532 bytes; 19 x
+# 70: 15,960; the stack: 6,732), its state far less (37 x 53: 360 bytes): a budget of 25,000
+# holds one 37 x 53 matrix, where counted in state bytes all six parameters would share a chunk.
+# The stack is never cut between its matrices (the algorithm's ``matrices`` is 1): at
+# chunk_bytes=1 it is one chunk, where Muon's stack rule would make three.
 RUNS = [
-    (dict(offload=False, resident_chunk_bytes=1), 5),  # a chunk each
+    (dict(offload=False, resident_chunk_bytes=1), 6),  # a chunk each
     (dict(offload=True), 1),
-    (dict(offload=True, chunk_bytes=1), 5),  # each over budget: a chunk of its own
-    (dict(offload=True, chunk_bytes=25_000), 3),  # [37x53], [37x53, 101], [19x70, 33]
+    (dict(offload=True, chunk_bytes=1), 6),  # each over budget: a chunk of its own
+    (dict(offload=True, chunk_bytes=25_000), 3),  # [37x53], [37x53, 101], [19x70, 33, stack]
     # Resident (500 bytes of state): the first matrix and the 33-vector; the rest streamed.
     (dict(offload=True, chunk_bytes=60_000, resident_bytes=500), 2),
 ]
@@ -167,6 +175,7 @@ def test_state_is_shaped_by_the_algorithm():
     assert shapes[0] == {"exp_avg_sq_row": (37,), "exp_avg_sq_col": (53,)}
     assert shapes[1] == {"exp_avg_sq": (101,)}
     assert shapes[3] == {"exp_avg_sq_row": (19,), "exp_avg_sq_col": (70,)}
+    assert shapes[5] == {"exp_avg_sq_row": (3, 11), "exp_avg_sq_col": (3, 17)}
 
 
 @pytest.mark.parametrize("kw, chunks", RUNS)
@@ -184,10 +193,12 @@ def test_same_bits_whatever_the_chunking_or_offload(kw, chunks):
 
 
 def _loop64(steps: int):
-    """The rule written out in float64, parameter by parameter, each with its own count."""
+    """The rule written out in float64, parameter by parameter (a stack matrix by matrix),
+    each parameter with its own count."""
     xs = [p.detach().double() for p in _params()]
     state = [
-        (torch.zeros(s[0]), torch.zeros(s[1])) if len(s) == 2 else (torch.zeros(s),) for s in SHAPES
+        (torch.zeros(s[:-1]), torch.zeros(s[:-2] + s[-1:])) if len(s) >= 2 else (torch.zeros(s),)
+        for s in SHAPES
     ]
     state = [tuple(t.double() for t in entry) for entry in state]
     counts = [0] * len(SHAPES)
@@ -199,11 +210,15 @@ def _loop64(steps: int):
             beta2 = 1.0 - counts[i] ** -DECAY
             g = _grad(s, i).double()
             g2 = g * g + EPS1
-            if x.ndim == 2:
-                r = beta2 * state[i][0] + (1 - beta2) * g2.mean(dim=1)
-                c = beta2 * state[i][1] + (1 - beta2) * g2.mean(dim=0)
+            if x.ndim >= 2:
+                r = beta2 * state[i][0] + (1 - beta2) * g2.mean(dim=-1)
+                c = beta2 * state[i][1] + (1 - beta2) * g2.mean(dim=-2)
                 state[i] = (r, c)
-                v = torch.outer(r, c) / r.mean()
+                rows, cols = r.reshape(-1, x.shape[-2]), c.reshape(-1, x.shape[-1])
+                v = torch.stack(
+                    [torch.outer(a, b) / a.mean() for a, b in zip(rows, cols, strict=True)]
+                )
+                v = v.reshape(x.shape)
             else:
                 v = beta2 * state[i][0] + (1 - beta2) * g2
                 state[i] = (v,)
@@ -237,7 +252,7 @@ def test_state_dict_round_trip():
     _steps(params, opt, 0, 3)
     saved = copy.deepcopy(opt.state_dict())
     assert saved["state"][0]["exp_avg_sq_row"].shape == (37,)
-    assert [float(saved["state"][i]["step"]) for i in range(len(SHAPES))] == [3, 2, 3, 3, 3]
+    assert [float(saved["state"][i]["step"]) for i in range(len(SHAPES))] == [3, 2, 3, 3, 3, 3]
     again_params = _params()
     again = Adafactor(again_params, **HYPER)  # resident, one chunk: another layout
     for p, q in zip(params, again_params, strict=True):
