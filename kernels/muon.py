@@ -6,8 +6,9 @@ apply: X = X (1 - lr wd) - adjusted_lr U.
 
 ``muon_prep`` and ``muon_apply_`` are the Triton launchers (one launch for the whole batch;
 the matrices are separate tensors read through a pointer table); the ``*_reference`` functions
-are the plain-torch versions they are tested against. ``param_apply`` hands the apply to the
-orthogonalization's last product instead (``poly_apply.py``'s epilogue: U is never stored).
+(``muon_reference.py``, re-exported here) are the plain-torch versions they are tested
+against. ``param_apply`` hands the apply to the orthogonalization's last product instead
+(``poly_apply.py``'s epilogue: U is never stored).
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ from ._launch import (
     triton_dtype,
 )
 from ._triton import tl, triton
-from .elementwise_reference import cautious_decay
 from .muon_apply import ParamApply, apply_step, check_apply
+from .muon_reference import (  # noqa: F401  (re-exported: the references' importers)
+    apply_scalars,
+    muon_apply_reference_,
+    muon_prep_reference,
+    new_outputs,
+)
 from .sumsq import LOG2_SUMSQ_BLOCK, SUMSQ_BLOCK, SUMSQ_CHUNK, groups_for, sum_partials, tree_sum
 
 # prep: one group of the sum of squares (``sumsq.py``) per program, ``SUMSQ_BLOCK`` lanes:
@@ -205,16 +211,6 @@ def _prep_launch(momentums, grads, index, mu, nesterov, out, partial, config: Co
     )
 
 
-def new_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
-    """A prep's outputs where not given (kernels and references, dense and 8-bit): ``out``
-    bf16 [batch, *shape] and ``sumsq`` fp32 [batch]."""
-    if out is None:
-        out = torch.empty((batch, *shape), dtype=torch.bfloat16, device=device)
-    if sumsq is None:
-        sumsq = torch.empty(batch, dtype=torch.float32, device=device)
-    return out, sumsq
-
-
 def prep_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
     """A prep kernel's outputs (dense and 8-bit): ``out`` contiguous [batch, *shape] (bf16 when
     not given) and ``sumsq`` fp32 [batch], allocated when None, checked when given."""
@@ -304,11 +300,6 @@ def _apply_launch(params, update, rows, cols, scalars, config: Config, cautious=
     )
 
 
-def apply_scalars(lr: float, weight_decay: float, adjusted_lr: float) -> tuple[float, float]:
-    """The apply kernel's runtime scalars: 1 - lr wd, adjusted_lr."""
-    return 1.0 - lr * weight_decay, float(adjusted_lr)
-
-
 def muon_apply_(
     params: Sequence[Tensor],
     update: Tensor,
@@ -371,44 +362,3 @@ def param_apply(params: Sequence[Tensor], cols: int, scalars: Tensor) -> ParamAp
     caller (``check_apply``). The table is the apply kernel's, so a CUDA graph holds it."""
     table = _table("muon_apply", (params,))
     return ParamApply(table, params[0].dtype, (cols, 1), scalars, all_aligned((params,)))
-
-
-def muon_prep_reference(
-    momentums: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    *,
-    mu: float,
-    nesterov: bool,
-    out: Tensor | None = None,
-    sumsq: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Update momentum in place; return (U [B, m, n] bf16, sum of squares [B] fp32)."""
-    batch = len(momentums)
-    out, sumsq = new_outputs(batch, momentums[0].shape, momentums[0].device, out, sumsq)
-    for i, (m, g) in enumerate(zip(momentums, grads, strict=True)):
-        g32 = g.float()
-        m32 = m.float().mul_(mu).add_(g32)
-        m.copy_(m32)
-        u32 = m32.mul(mu).add_(g32) if nesterov else m32
-        out[i].copy_(u32)
-        sumsq[i] = out[i].float().square().sum()
-    return out, sumsq
-
-
-def muon_apply_reference_(
-    params: Sequence[Tensor],
-    update: Tensor,
-    *,
-    lr: float,
-    weight_decay: float,
-    adjusted_lr: float,
-    cautious_wd: bool = False,
-) -> None:
-    """X = X (1 - lr wd) - adjusted_lr U for each matrix of the batch, math in fp32.
-    ``cautious_wd`` (dion's): the decay only where U and X (before the step) agree in sign."""
-    decay, adjusted_lr = apply_scalars(lr, weight_decay, adjusted_lr)
-    for i, x in enumerate(params):
-        u32, x32 = update[i].float(), x.float()
-        factor = cautious_decay(u32, x32, decay) if cautious_wd else decay
-        x32 = x32.mul_(factor).sub_(u32, alpha=adjusted_lr)
-        x.copy_(x32)
