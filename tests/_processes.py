@@ -29,6 +29,7 @@ PRELOAD = [
     "dist_workers",
     "dist_workers_int8",
     "dist_workers_in_place",
+    "dist_workers_graph",
 ]
 
 

@@ -115,11 +115,18 @@ def test_refuses_the_torch_backend():
         Muon(_params(), cuda_graph=True, backend="torch")
 
 
-def test_refuses_meshes_and_dtensors():
-    with pytest.raises(NotImplementedError, match="distributed_mesh"):
-        capture_rules.check_settings(Settings.check(**SETTINGS, cuda_graph=True), object(), ())
-    with pytest.raises(NotImplementedError, match="distributed_mesh"):
-        capture_rules.check_group({"params": []}, 1, object())
+def test_refuses_meshes_that_do_not_run_nccl(monkeypatch):
+    # A mesh's group as its backend config names it (gloo processes: tests/test_graph_mesh.py).
+    settings = Settings.check(**SETTINGS, cuda_graph=True)
+    for backend in ("gloo", None):
+        monkeypatch.setattr(capture_rules, "cuda_backend", lambda group, b=backend: b)
+        with pytest.raises(NotImplementedError, match=f"run through {backend or 'no backend'}"):
+            capture_rules.check_settings(settings, object(), ())
+        with pytest.raises(NotImplementedError, match="param group 1: .* distributed_mesh"):
+            capture_rules.check_group({"params": []}, 1, object())
+    monkeypatch.setattr(capture_rules, "cuda_backend", lambda group: "nccl")
+    capture_rules.check_settings(settings, object(), ())
+    capture_rules.check_group({"params": []}, 1, object())
 
 
 def test_added_group_is_checked_too(monkeypatch):
@@ -359,12 +366,16 @@ def test_auto_runs_a_step_with_a_closure_eagerly(monkeypatch):
     assert calls == [3] and (stats["captures"], stats["replays"], stats["eager_steps"]) == (1, 2, 2)
 
 
-def test_auto_stays_eager_with_a_mesh_or_dtensor(monkeypatch):
+def test_auto_stays_eager_with_a_gloo_mesh(monkeypatch):
     params, made = _params(), []
     opt = _auto(params, monkeypatch, made)
-    assert capture_rules.group_blocker({"params": []}, object()) == "a distributed_mesh"
+    monkeypatch.setattr(capture_rules, "cuda_backend", lambda group: "gloo")
+    why = capture_rules.group_blocker({"params": []}, object())
+    assert why == "a distributed_mesh whose CUDA collectives run through gloo (not NCCL)"
     assert capture_rules.group_blocker({"params": params}, None) is None
-    opt._graph_blocker = "a distributed_mesh"  # what a mesh or a DTensor group sets
+    monkeypatch.setattr(capture_rules, "cuda_backend", lambda group: "nccl")
+    assert capture_rules.group_blocker({"params": []}, object()) is None
+    opt._graph_blocker = why  # what a gloo mesh or a DTensor group on one sets
     for s in range(4):
         _grads(params, s)
         opt.step()

@@ -6,11 +6,15 @@ A graph replays the launches it captured with the values they were given then, s
 be captured only where every launch reads what changes from step to step (learning rates,
 bias corrections, gradient addresses) from the step's device tables
 (``Algorithm.reads_tables``: the Triton kernels do, the torch references take Python numbers),
-on parameters on a CUDA device, with no collective of a ``distributed_mesh`` or DTensor."""
+on parameters on a CUDA device, and where every collective a step issues (over a
+``distributed_mesh``, or the meshes of DTensor parameters) runs its CUDA tensors through NCCL,
+whose collectives a capture records as graph nodes; gloo's cannot be captured. Pairing across
+ranks, and what the sharded path captures by address: ``graphs.py``."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import DTensor
 
@@ -32,17 +36,40 @@ def check_settings(settings, mesh_group, algorithms) -> None:
             "cuda_graph=True needs the Triton kernels (backend 'auto' or 'triton'): the torch "
             "references take their hyper-parameters as Python numbers, which a graph would fix"
         )
-    if mesh_group is not None:
-        raise NotImplementedError("cuda_graph=True does not support a distributed_mesh yet")
+    why = mesh_blocker(mesh_group)
+    if why is not None:
+        raise NotImplementedError(f"cuda_graph=True cannot capture {why}")
+
+
+def cuda_backend(group) -> str | None:
+    """The backend that runs ``group``'s collectives on CUDA tensors (its backend config:
+    ``"cuda:nccl"``, ``"cpu:gloo,cuda:gloo"``, ...), None if none does."""
+    for entry in dist.get_backend_config(group).replace(" ", "").split(","):
+        device, _, backend = entry.rpartition(":")
+        if device == "cuda":
+            return backend
+    return None
+
+
+def mesh_blocker(mesh_group, what: str = "a distributed_mesh") -> str | None:
+    """Why collectives over ``mesh_group`` cannot be captured (None: none, or NCCL's)."""
+    if mesh_group is None:
+        return None
+    backend = cuda_backend(mesh_group)
+    if backend == "nccl":
+        return None
+    return f"{what} whose CUDA collectives run through {backend or 'no backend'} (not NCCL)"
 
 
 def group_blocker(group: dict, mesh_group) -> str | None:
-    """Why ``"auto"`` keeps every step with this param group eager (None: nothing here)."""
-    if mesh_group is not None:
-        return "a distributed_mesh"
-    if any(isinstance(p, DTensor) for p in group["params"]):
-        return "DTensor parameters"
-    return None
+    """Why ``"auto"`` keeps every step with this param group eager (None: nothing here): its
+    mesh, or a DTensor parameter's mesh, does not run CUDA collectives through NCCL."""
+    why = mesh_blocker(mesh_group)
+    meshes = {id(p.device_mesh): p.device_mesh for p in group["params"] if isinstance(p, DTensor)}
+    for mesh in meshes.values():
+        for sub in mesh.get_all_groups():
+            why = why or mesh_blocker(sub, "DTensor parameters on a mesh")
+    return why
 
 
 def auto_blocker(device: torch.device, backend: str, algorithms) -> str | None:
@@ -56,15 +83,10 @@ def auto_blocker(device: torch.device, backend: str, algorithms) -> str | None:
 
 def check_group(group: dict, index: int, mesh_group) -> None:
     """A param group ``cuda_graph=True`` cannot capture: refused when it is added."""
-    if mesh_group is not None:
-        raise NotImplementedError(
-            f"param group {index}: cuda_graph=True does not support a distributed_mesh yet"
-        )
+    why = group_blocker(group, mesh_group)
+    if why is not None:
+        raise NotImplementedError(f"param group {index}: cuda_graph=True cannot capture {why}")
     for p in group["params"]:
-        if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"param group {index}: cuda_graph=True does not support DTensor parameters yet"
-            )
         if p.device.type != "cuda":
             raise ValueError(
                 f"param group {index}: cuda_graph=True needs parameters on a CUDA device, got "

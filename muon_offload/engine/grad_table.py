@@ -15,19 +15,22 @@ segment, or some matrices of a stack), each piece that a kernel reads
 (``Algorithm.grad_pieces``: a Muon stack's matrices) at its parameter's gradient's data pointer
 plus the piece's byte offset.
 
-A step whose gradients are not all plain contiguous tensors (a DTensor, a transposed gradient
-that the step copies afresh) gets no table: the launchers read those gradients' own addresses
-(and such a step is never captured).
+A DTensor's rows are its local shard's (the address, shape and heads this rank reads). A step
+whose gradients are not all contiguous (a transposed gradient that the step copies afresh) gets
+no table: the launchers read those gradients' own addresses (and such a step is never
+captured).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ..distributed import DTensor, local
 from ..hyper import StepWork
 from ..kernels._grad_index import GradIndex
 from ..kernels._launch import ALIGN_BYTES
@@ -76,13 +79,12 @@ class GradTable:
         unit's ``GradIndex`` (the same objects while the plan and the gradients' dtypes hold),
         or None where the gradients cannot be read through the table."""
         self.misaligned = None
-        if not work.plain:
-            return None
         if work.pointers is not None:  # read with the step's checks
             _, grad_ptrs, contiguous = work.pointers
-        else:
-            grad_ptrs = tuple(map(Tensor.data_ptr, work.grads))
-            contiguous = all(map(Tensor.is_contiguous, work.grads))
+        else:  # a DTensor's: its shard's (the DTensor's own data_ptr() is 0)
+            grads = work.grads if work.plain else tuple(map(local, work.grads))
+            grad_ptrs = tuple(map(Tensor.data_ptr, grads))
+            contiguous = all(map(Tensor.is_contiguous, grads))
         if not contiguous:
             return None
         if layouts is not self._layouts or work.grad_dtypes != self._grad_dtypes:
@@ -101,8 +103,8 @@ class GradTable:
                 hyper = hypers[u.unit.group]
                 for pos, p, span in zip(unit_params(u.unit), u.params, u.spans, strict=True):
                     size = work.grad_dtypes[pos].itemsize
-                    first, shape = _item(span, tuple(p.shape))
-                    for piece in u.algorithm.grad_pieces(hyper, shape):
+                    first, shape = _item(span, tuple(local(p).shape))
+                    for piece in u.algorithm.grad_pieces(_shard_hyper(hyper, p), shape):
                         params.append(pos)
                         offsets.append((first + piece) * size)
                 spans.append((start, len(params)))
@@ -120,6 +122,14 @@ class GradTable:
         self._param = np.array(params, dtype=np.int64)
         self._offset = np.array(offsets, dtype=np.int64)
         self._layouts, self._grad_dtypes = layouts, work.grad_dtypes
+
+
+def _shard_hyper(hyper, p: Tensor):
+    """The hyper-parameters a shard is cut by: a DTensor sharded on its heads (``num_heads``,
+    dim 0) holds whole heads, its share of them (none: an empty shard, no pieces)."""
+    if not hyper.num_heads or not isinstance(p, DTensor) or local(p).shape[0] == p.shape[0]:
+        return hyper
+    return replace(hyper, num_heads=hyper.num_heads * local(p).shape[0] // p.shape[0] or None)
 
 
 def _item(span, shape: tuple) -> tuple[int, tuple]:

@@ -2,8 +2,8 @@
 
 The host time of a step is mostly kernel launches (thousands a step on large models); a replay
 issues them all at once. ``cuda_graph="auto"`` (the default) captures wherever a graph can
-run: parameters on CUDA, the Triton kernels, no ``distributed_mesh`` or DTensor, no
-``closure``; elsewhere, and once graphs are given up, the step stays eager without a word
+run: parameters on CUDA, the Triton kernels, meshes (``distributed_mesh``, DTensors') that
+run CUDA collectives through NCCL, no ``closure``; elsewhere, and once graphs are given up, the step stays eager without a word
 above the INFO log level. ``cuda_graph=True`` refuses what cannot be captured instead, and
 warns when it gives up; ``False`` never captures. What a step passes to its launches by value,
 the graph keeps, so:
@@ -30,6 +30,15 @@ raises ``CaptureMiss`` (kernels/_launch.py) and graphs are turned off, eagerly. 
 that are not contiguous), the optimizer stays eager (logged once: a warning with ``True``,
 INFO with ``"auto"``).
 
+Meshes: NCCL collectives are captured as graph nodes. Each rank decides alone when to capture
+(its key may change at another step than another rank's), and the collectives stay paired:
+a capture executes nothing and is replayed at once, before any other collective, so every
+rank runs each step's collectives exactly once, in the step's order, eager or replayed (a
+failed capture runs the step eagerly instead). The rank agreement (``rank_agreement.py``, a
+CPU all-reduce) runs at the start of ``step()``, before this decision, never under capture.
+A DTensor's addresses in the key are its shard's; the all-to-all buffers are temporaries of
+the graph's pool, and the communicators' buffers stay the group's while it lives.
+
 Pointer tables read by the graph are held with it (``TableCache.holding``); temporaries live in
 the graph's private memory pool (``pool_bytes``: about one step's peak of temporaries; memory
 that the forward and backward passes can no longer borrow from the caching allocator, which is
@@ -48,6 +57,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..distributed import local
 from ..hyper import StepWork
 from ..kernels._launch import TABLES
 from . import capture_rules
@@ -91,8 +101,9 @@ def step_key(
     if work.pointers is not None:  # read with the step's checks
         param_ptrs, _, contiguous = work.pointers
     else:
-        contiguous = all(map(Tensor.is_contiguous, work.grads))
-        param_ptrs = tuple(map(_ptr, params))
+        # A DTensor's own data_ptr() is 0: its shard's address is what a graph reads.
+        contiguous = all(local(g).is_contiguous() for g in work.grads)
+        param_ptrs = tuple(_ptr(local(p)) for p in params)
     if not contiguous or work.copied:
         which = "parameter" if contiguous else "gradient"
         return None, f"a {which} is not contiguous (the step copies it afresh each time)"
@@ -103,6 +114,8 @@ def step_key(
     # the dicts as the step found them (``_ensure_state``), else looked up.
     dicts = work.state_dicts or map(state.__getitem__, params)
     tensors = chain.from_iterable(map(dict.values, dicts))
+    if not work.plain:  # DTensor state: its shard
+        tensors = map(local, tensors)
     key = GraphKey(
         plan=id(layouts),
         params=(param_ptrs, work.shapes, work.dtypes),

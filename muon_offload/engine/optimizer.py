@@ -125,8 +125,8 @@ class ChunkedOptimizer(
         self._settings = settings  # read as attributes: opt.chunk_bytes, ... (SettingsMixin)
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
         self._ungraphed_steps = 0  # steps run eagerly outside ``_graphs`` (graph_stats)
-        # Why "auto" keeps every step eager (a mesh or DTensor parameters), None if nothing.
-        self._graph_blocker = None if mesh.group is None else "a distributed_mesh"
+        # Why "auto" keeps every step eager (a gloo mesh, DTensors on one), None if nothing.
+        self._graph_blocker = capture_rules.mesh_blocker(mesh.group)
         # (plan, transfers, layouts, side, the work planned) by what they depend on (``_plan``);
         # cleared whenever state is created or loaded and when the budgets change.
         self._plans = PlanCache()

@@ -1,0 +1,105 @@
+"""Worker bodies for tests/test_graph_mesh.py: each runs in its own process (gloo, CPU) and
+raises on a failed check, which fails the spawning test."""
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from muon_offload import Muon
+from muon_offload.distributed import local
+from muon_offload.engine import capture_rules, graphs
+
+import dist_workers
+from dist_workers import _finish, build, init, set_grads
+
+
+def _refused(groups, mesh, match):
+    with pytest.raises(NotImplementedError, match=match):
+        Muon(groups, distributed_mesh=mesh, lr=0.02, backend="triton", cuda_graph=True)
+
+
+def rule_decisions(rank, world, port):
+    """gloo meshes (and DTensors on them) stay eager with the reason ("auto") or are refused
+    (True); a mesh whose CUDA collectives run through NCCL passes the rule (faked here: the
+    backend config read as "cuda:nccl"), so that only the device check is left to refuse."""
+    mesh = init(rank, world, port)
+    params, groups = build(mesh, True)
+    opt = Muon(groups, distributed_mesh=mesh, lr=0.02)
+    assert opt._graph_blocker == (
+        "a distributed_mesh whose CUDA collectives run through gloo (not NCCL)"
+    ), opt._graph_blocker
+    # A DTensor group without a distributed_mesh (AdamW: no collective of the optimizer's),
+    # on the gloo mesh: still blocked, by its parameters' mesh.
+    dt = [p for p in params if isinstance(p, DTensor)][-1:]
+    assert capture_rules.group_blocker(dict(params=dt), None) == (
+        "DTensor parameters on a mesh whose CUDA collectives run through gloo (not NCCL)"
+    )
+    _refused(
+        groups, mesh, "cannot capture a distributed_mesh whose CUDA collectives run through gloo"
+    )
+    real = capture_rules.cuda_backend
+    capture_rules.cuda_backend = lambda group: "nccl"
+    try:
+        assert capture_rules.group_blocker(dict(params=dt), mesh.get_group()) is None
+        params, groups = build(mesh, True)
+        assert Muon(groups, distributed_mesh=mesh, lr=0.02)._graph_blocker is None
+        with pytest.raises(ValueError, match="needs parameters on a CUDA device"):
+            Muon(groups, distributed_mesh=mesh, lr=0.02, backend="triton", cuda_graph=True)
+    finally:
+        capture_rules.cuda_backend = real
+    # The backend config itself, as torch writes it.
+    assert real(mesh.get_group()) == "gloo"
+    _finish()
+
+
+def dtensor_key(rank, world, port):
+    """A step with DTensor parameters gets a gradient table and a graph key made of the
+    shards' addresses (a DTensor's own data_ptr() is 0): equal at the next step, other when
+    a shard moves."""
+    mesh = init(rank, world, port)
+    params, groups = build(mesh, True)
+    opt = Muon(groups, distributed_mesh=mesh, lr=0.02, backend="triton", cuda_graph=False)
+    keys = []
+    real = graphs.step_key
+
+    def spy(*args, **kwargs):
+        keys.append(real(*args, **kwargs))
+        return keys[-1]
+
+    class RunsAtCapture:  # a graph whose capture runs the step once, eagerly
+        def capture(self, body):
+            body()
+
+        def replay(self):
+            pass
+
+        def reset(self):
+            pass
+
+    graphs.step_key = spy
+    opt._graphs = graphs.StepGraphs(torch.device("cpu"), new_graph=RunsAtCapture)
+    opt.cuda_graph = "auto"
+    opt._graph_blocker = None  # the gloo mesh stands in for NCCL's
+    auto = capture_rules.auto_blocker
+    capture_rules.auto_blocker = lambda device, backend, algorithms: None  # the CPU for CUDA
+    try:
+        for s in range(3):
+            set_grads(params, s, mesh)  # fresh gradients every step
+            if s == 2:
+                moved = params[0]
+                moved._local_tensor = local(moved).clone()  # a shard at a new address
+            opt.step()
+    finally:
+        graphs.step_key, capture_rules.auto_blocker = real, auto
+    (k0, why0), (k1, _), (k2, _) = keys
+    assert k0 is not None, why0
+    assert k0 == k1, graphs.changed(k0, k1)
+    assert 0 not in k0.params[0] and local(params[1]).data_ptr() in k0.params[0]
+    state_ptrs = {local(t).data_ptr() for p in params for t in opt.state[p].values()}
+    assert set(k0.state) <= state_ptrs and 0 not in k0.state
+    assert graphs.changed(k1, k2) == graphs.WHAT["params"]
+    assert opt.graph_stats()["captures"] == 1  # at step 1, the key of step 0 holding
+    _finish()
+
+
+assert dist_workers  # the module's BACKEND and DEVICE are the ones init() sets

@@ -1,0 +1,18 @@
+"""CUDA graphs and meshes on the CPU (gloo processes, as tests/test_distributed.py): which
+meshes a graph may capture (engine/capture_rules.py: NCCL's collectives, not gloo's), and the
+graph key of a step with DTensor parameters (engine/graphs.py). Captured steps on a GPU:
+tests/test_gpu_graph_mesh.py."""
+
+import _processes
+import dist_workers_graph
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+
+def test_gloo_meshes_stay_eager_nccl_meshes_pass_the_rule():
+    _processes.run(dist_workers_graph.rule_decisions, 2)
+
+
+def test_dtensor_steps_have_a_graph_key_of_their_shards():
+    _processes.run(dist_workers_graph.dtensor_key, 2)
