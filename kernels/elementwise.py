@@ -14,6 +14,7 @@ the plain-torch versions (CPU path, and what the kernels are tested against).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,7 +39,10 @@ from ._launch import (
     triton_dtype,
 )
 from ._triton import tl, triton
-from .elementwise_reference import adamw_scalars, lion_scalars
+from .elementwise_reference import AdamWHyper, LionHyper, adamw_scalars, lion_scalars
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
 
 # Candidates timed by the tuner (block elements per tile, chunk elements per program).
 # 256 MiB of fp32 AdamW state is 32 Mi elements: a 16 Ki chunk gives 2048 programs, about
@@ -310,18 +314,13 @@ def adamw_(
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
     cautious_wd: bool = False,
+    **hyper: Unpack[AdamWHyper],
 ) -> None:
     """Fused AdamW over any number of segments of any sizes; same math as
     ``adamw_reference_``. Hyper-parameters are runtime values: changing them never
     recompiles (``cautious_wd``, a compile-time flag, does)."""
-    scalars = device_scalars(adamw_scalars(lr, beta1, beta2, eps, weight_decay, step), _on(params))
+    scalars = device_scalars(adamw_scalars(**hyper), _on(params))
     adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars, cautious_wd=cautious_wd)
 
 
@@ -349,14 +348,11 @@ def lion_(
     grads: Sequence[Tensor],
     exp_avgs: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
     cautious_wd: bool = False,
+    **hyper: Unpack[LionHyper],
 ) -> None:
     """Fused Lion over any number of segments of any sizes; same math as ``lion_reference_``."""
-    scalars = device_scalars(lion_scalars(lr, beta1, beta2, weight_decay), _on(params))
+    scalars = device_scalars(lion_scalars(**hyper), _on(params))
     lion_from_(params, grads, exp_avgs, scalars, cautious_wd=cautious_wd)
 
 

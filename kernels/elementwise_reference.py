@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
 
 
 def cautious_decay(update: Tensor, p32: Tensor, decay: float) -> Tensor:
@@ -18,6 +22,27 @@ def cautious_decay(update: Tensor, p32: Tensor, decay: float) -> Tensor:
     AdamW's new first moment (its denominator and bias correction are positive), Lion's sign,
     Muon's orthogonalized matrix."""
     return torch.where(update * p32 >= 0, decay, 1.0)
+
+
+class AdamWHyper(TypedDict):
+    """AdamW's hyper-parameters, the keywords its launchers and references take (dense and
+    8-bit): ``adamw_scalars``' arguments."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+
+
+class LionHyper(TypedDict):
+    """Lion's, likewise: ``lion_scalars``' arguments."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    weight_decay: float
 
 
 def adamw_scalars(lr, beta1, beta2, eps, weight_decay, step) -> tuple[float, ...]:
@@ -41,13 +66,8 @@ def adamw_reference_(
     exp_avgs: Sequence[Tensor],
     exp_avg_sqs: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
     cautious_wd: bool = False,
+    **hyper: Unpack[AdamWHyper],
 ) -> None:
     """AdamW with decoupled weight decay and bias correction, as ``torch.optim.AdamW``:
 
@@ -56,9 +76,7 @@ def adamw_reference_(
 
     ``cautious_wd``: the decay only where m (new) and p (old) agree in sign (``cautious_decay``).
     """
-    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(
-        lr, beta1, beta2, eps, weight_decay, step
-    )
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(**hyper)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         g32 = g.float()
         m32 = m.float().lerp_(g32, w1)
@@ -77,15 +95,12 @@ def lion_reference_(
     grads: Sequence[Tensor],
     exp_avgs: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
     cautious_wd: bool = False,
+    **hyper: Unpack[LionHyper],
 ) -> None:
     """Lion as dion runs it: u = sign(lerp(m, g, 1 - beta1)); m = lerp(m, g, 1 - beta2);
     p = p (1 - lr wd) - lr u; ``cautious_wd``: the decay only where u and p agree in sign."""
-    w1, w2, decay, lr = lion_scalars(lr, beta1, beta2, weight_decay)
+    w1, w2, decay, lr = lion_scalars(**hyper)
     for p, g, m in zip(params, grads, exp_avgs, strict=True):
         g32 = g.float()
         m32 = m.float()

@@ -11,6 +11,7 @@ its parameter, so chunks (multiples of ``QBLOCK``) cut no block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -40,6 +41,7 @@ from .elementwise import (
     adamw_scalars,
     lion_scalars,
 )
+from .elementwise_reference import AdamWHyper, LionHyper
 from .quant_maps import (
     _INV127,
     _INV255,
@@ -53,6 +55,9 @@ from .quant_maps import (
     _ld,
     check_segments,
 )
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
 
 # Tile = block elements ([block / QBLOCK, QBLOCK] as a 2-D tile), chunk elements a program;
 # both multiples of QBLOCK. Candidates around the fp32 kernels' measured best (elementwise.py).
@@ -275,18 +280,13 @@ def adamw8_(
     v_codes: Sequence[Tensor],
     v_scales: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
     cautious_wd: bool = False,
+    **hyper: Unpack[AdamWHyper],
 ) -> None:
     """Fused AdamW on 8-bit state (``adam_m`` / ``adam_v`` maps), any number of segments;
     same math as ``adamw8_reference_``. Each segment starts on a block boundary of its
     parameter; its scales hold ceil(numel / QBLOCK) entries."""
-    scalars = device_scalars(adamw_scalars(lr, beta1, beta2, eps, weight_decay, step), _on(params))
+    scalars = device_scalars(adamw_scalars(**hyper), _on(params))
     state = (m_codes, m_scales, v_codes, v_scales)
     adamw8_from_(params, grads, *state, scalars, cautious_wd=cautious_wd)
 
@@ -318,14 +318,11 @@ def lion8_(
     m_codes: Sequence[Tensor],
     m_scales: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
     cautious_wd: bool = False,
+    **hyper: Unpack[LionHyper],
 ) -> None:
     """Fused Lion on 8-bit momentum (``momentum`` map); same math as ``lion8_reference_``."""
-    scalars = device_scalars(lion_scalars(lr, beta1, beta2, weight_decay), _on(params))
+    scalars = device_scalars(lion_scalars(**hyper), _on(params))
     lion8_from_(params, grads, m_codes, m_scales, scalars, cautious_wd=cautious_wd)
 
 

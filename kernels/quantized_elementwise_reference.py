@@ -5,12 +5,22 @@ and what the kernels are tested against."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .elementwise_reference import adamw_scalars, cautious_decay, lion_scalars
+from .elementwise_reference import (
+    AdamWHyper,
+    LionHyper,
+    adamw_scalars,
+    cautious_decay,
+    lion_scalars,
+)
 from .quant_maps import MAPS, _decode_ref, _encode_ref
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
 
 
 def _lerp_ref(start: Tensor, end: Tensor, weight: float) -> Tensor:
@@ -35,19 +45,12 @@ def adamw8_reference_(
     v_codes: Sequence[Tensor],
     v_scales: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
     cautious_wd: bool = False,
+    **hyper: Unpack[AdamWHyper],
 ) -> None:
     """AdamW (``adamw_reference_``'s math) on dequantized state, requantized after;
     ``cautious_wd``'s sign test reads the new first moment before it is requantized."""
-    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(
-        lr, beta1, beta2, eps, weight_decay, step
-    )
+    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = adamw_scalars(**hyper)
     for p, g, mc, ms, vc, vs in zip(
         params, grads, m_codes, m_scales, v_codes, v_scales, strict=True
     ):
@@ -70,14 +73,11 @@ def lion8_reference_(
     m_codes: Sequence[Tensor],
     m_scales: Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
     cautious_wd: bool = False,
+    **hyper: Unpack[LionHyper],
 ) -> None:
     """Lion (``lion_reference_``'s math) on dequantized momentum, requantized after."""
-    w1, w2, decay, lr = lion_scalars(lr, beta1, beta2, weight_decay)
+    w1, w2, decay, lr = lion_scalars(**hyper)
     for p, g, mc, ms in zip(params, grads, m_codes, m_scales, strict=True):
         g32 = g.float()
         m = _decode_ref(mc, ms, MAPS["momentum"])
