@@ -14,6 +14,11 @@ replay); allocations and views run at capture only (their memory stays the captu
 of a tensor's value on the host under capture raises, as it would on a GPU. The recorded
 tensors are held, so nothing is freed under a replay (a graph's pool does the same for its
 temporaries; the test compares with an eager twin, so a stale read shows as other bits).
+
+A collective (a ``c10d`` operation: gloo's on the CPU) is issued, not run, under capture: it
+returns a finished stand-in of its work (its ``wait()`` orders nothing: nothing ran), and a
+replay runs it on the captured tensors and waits for it there, as a graph's NCCL node is
+ordered in its stream.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ class _Recorder(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _HOST_READS:
             raise RuntimeError(f"{func} reads a tensor's value on the host under capture")
+        if func.namespace == "c10d":  # a collective: issued, not run, its work done
+            self.record.append(lambda: _wait(func(*args, **kwargs)))
+            return _finished(func, args)
         if func._schema.is_mutable:  # in place or out=: issued, not run (a capture runs nothing)
             self.record.append(lambda: func(*args, **kwargs))
             return kwargs.get("out", args[0])
@@ -50,6 +58,19 @@ class _Recorder(TorchDispatchMode):
 
         self.record.append(again)
         return out
+
+
+def _wait(out) -> None:
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.ScriptObject):
+            leaf.wait()
+
+
+def _finished(func, args):
+    """What the collective returns: its work (done), after its output tensors where its
+    schema returns them first (``allgather_``: the output lists, its first argument)."""
+    work = torch._C._distributed_c10d.FakeWork().boxed()  # as the dispatcher passes works
+    return work if len(func._schema.returns) == 1 else (args[0], work)
 
 
 class RecordingGraph:

@@ -102,4 +102,47 @@ def dtensor_key(rank, world, port):
     _finish()
 
 
+def replay_equals_eager(rank, world, port):
+    """Sharded (all-to-all) and replicated (all-gather) Muon over a gloo mesh, with a stand-in
+    graph that records the step's launches and collectives and replays them
+    (tests/_graph_emulator.py), against an eager twin: equal bits over several steps with
+    fresh gradients. The last rank's key changes at step 2 (a shard moved), so it runs that
+    step eagerly and captures at step 3 while the others replay: the collectives stay paired
+    (a capture runs none; its replay right after runs them all, in order)."""
+    from _graph_emulator import RecordingGraph
+
+    mesh = init(rank, world, port)
+    auto = capture_rules.auto_blocker
+    capture_rules.auto_blocker = lambda device, backend, algorithms: None  # the CPU for CUDA
+    pair = []
+    for graphed in (True, False):
+        params, groups = build(mesh, True)
+        opt = Muon(groups, distributed_mesh=mesh, lr=0.02, backend="triton", cuda_graph=False)
+        if graphed:
+            opt._graphs = graphs.StepGraphs(torch.device("cpu"), new_graph=RecordingGraph)
+            opt.cuda_graph, opt._graph_blocker = "auto", None  # gloo stands in for NCCL
+        pair.append((params, opt))
+    last = rank == world - 1
+    try:
+        for s in range(6):
+            for params, opt in pair:
+                set_grads(params, s, mesh)  # new gradient tensors every step
+                if s == 2 and last and opt is pair[0][1]:
+                    params[0]._local_tensor = local(params[0]).clone()  # same values, moved
+                opt.param_groups[0]["lr"] *= 0.9  # read from the scalar table
+                opt.step()
+    finally:
+        capture_rules.auto_blocker = auto
+    stats = pair[0][1].graph_stats()
+    # 0 eager, 1 capture, 2-5 replay; the last rank: 2 eager (moved), 3 capture, 4-5 replay.
+    expected = (2, 2, 2) if last else (1, 4, 1)
+    assert (stats["captures"], stats["replays"], stats["eager_steps"]) == expected, stats
+    (a, opt_a), (b, opt_b) = pair
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(local(p), local(q))
+        for key, value in opt_b.state[q].items():
+            assert torch.equal(local(opt_a.state[p][key]), local(value)), key
+    _finish()
+
+
 assert dist_workers  # the module's BACKEND and DEVICE are the ones init() sets
