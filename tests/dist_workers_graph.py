@@ -3,7 +3,7 @@ raises on a failed check, which fails the spawning test."""
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon_offload import Muon
 from muon_offload.distributed import local
@@ -137,6 +137,42 @@ def replay_equals_eager(rank, world, port):
     # 0 eager, 1 capture, 2-5 replay; the last rank: 2 eager (moved), 3 capture, 4-5 replay.
     expected = (2, 2, 2) if last else (1, 4, 1)
     assert (stats["captures"], stats["replays"], stats["eager_steps"]) == expected, stats
+    (a, opt_a), (b, opt_b) = pair
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(local(p), local(q))
+        for key, value in opt_b.state[q].items():
+            assert torch.equal(local(opt_a.state[p][key]), local(value)), key
+    _finish()
+
+
+def table_against_own_addresses(rank, world, port):
+    """DTensor steps read their gradients through the gradient table (the shards' rows, a
+    shard's heads under ``num_heads``): bit for bit the steps whose launchers read the
+    gradients' own addresses (no table, as before DTensors had one)."""
+    from muon_offload.engine.grad_table import GradTable
+
+    mesh = init(rank, world, port)
+    write = GradTable.write
+    pair = []
+    for _ in range(2):
+        params, groups = build(mesh, True)
+        gen = torch.Generator().manual_seed(6)
+        for shape in ((32, 24), (48, 16)):  # heads of 8 and 12 rows, whole on every rank
+            t = torch.randn(shape, generator=gen)
+            params.append(torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])))
+        groups.append(dict(params=params[-2:], num_heads=4))
+        pair.append((params, Muon(groups, distributed_mesh=mesh, lr=0.02, backend="triton")))
+    rows = []
+    try:
+        for s in range(3):
+            for (params, opt), table in zip(pair, (True, False), strict=True):
+                GradTable.write = write if table else (lambda self, *args: None)
+                set_grads(params, s, mesh)
+                opt.step()
+                rows.append(opt._grad_table.key())
+    finally:
+        GradTable.write = write
+    assert all(r is not None for r in rows[::2]) and all(r is None for r in rows[1::2])
     (a, opt_a), (b, opt_b) = pair
     for p, q in zip(a, b, strict=True):
         assert torch.equal(local(p), local(q))

@@ -21,3 +21,7 @@ def test_dtensor_steps_have_a_graph_key_of_their_shards():
 
 def test_replayed_collectives_equal_eager_steps_ranks_capturing_apart():
     _processes.run(dist_workers_graph.replay_equals_eager, 2, timeout=300)
+
+
+def test_dtensor_gradient_table_equals_own_addresses():
+    _processes.run(dist_workers_graph.table_against_own_addresses, 2, timeout=300)
