@@ -156,10 +156,14 @@ def test_state_written_or_dropped_after_a_prefetch_is_what_the_step_reads(how, s
     assert_bitwise(ahead, twin)
 
 
-def _model(seed=3):
+def _model(seed=3, width=24):
+    """``width=96``: a 96 x 96 matrix, 8-bit with ``state_dtype=torch.int8``."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24), torch.nn.Linear(24, 4)
+        torch.nn.Linear(12, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, width),
+        torch.nn.Linear(width, 4),
     )
 
 
@@ -236,17 +240,21 @@ def test_prefetch_setting_is_checked():
     assert resident.prefetch() is False and "_prefetch_hooks" not in vars(resident)
 
 
-def _gpu_loop(prefetch, steps=6, check_state_dict=False, offload=True, **kwargs):
-    model = _model().cuda()
+def _gpu_loop(
+    prefetch, steps=6, check_state_dict=False, offload=True, cuda_graph=False, width=24, **kwargs
+):
+    """``cuda_graph=False``: eager steps; True: captured at step 1, replayed from step 2 (as
+    three graphs: engine/graph_ends.py)."""
+    model = _model(width=width).cuda()
     matrices = [p for p in model.parameters() if p.ndim == 2]
     others = [p for p in model.parameters() if p.ndim != 2]
+    kwargs.setdefault("chunk_bytes", 2000)
     opt = Muon(
         [dict(params=matrices), dict(params=others, algorithm="adamw")],
         lr=0.02,
         offload=offload,
-        chunk_bytes=2000,
         prefetch=prefetch,
-        cuda_graph=False,  # eager steps: where prefetch and stores left running apply
+        cuda_graph=cuda_graph,
         **kwargs,
     )
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -279,6 +287,41 @@ def test_gpu_loop_with_prefetch_equals_loop_without_bitwise(state_dtype):
 @pytest.mark.cuda
 def test_gpu_state_dict_right_after_step_is_the_state_after_synchronize():
     _gpu_loop(True, check_state_dict=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("state_dtype", [None, torch.int8])
+@pytest.mark.parametrize("chunk_bytes", [2000, 1 << 30])
+def test_gpu_graph_loop_with_prefetch_equals_loop_without_bitwise(
+    monkeypatch, state_dtype, chunk_bytes
+):
+    """Graphs with fresh gradients (torch's default zero_grad): the head graph replayed from
+    the backward hook, the tail left running under the next forward (engine/graph_ends.py),
+    equal to the eager loop without prefetch, to graphs without prefetch (the step replays the
+    head itself) and to the resident loop, bit for bit."""
+    from muon_offload.engine.graph_ends import SplitStep
+
+    heads = []  # per head replay: whether the step replayed it (no prefetch before it)
+    real = SplitStep._replay_head
+    monkeypatch.setattr(SplitStep, "_replay_head", lambda g, at: heads.append(at) or real(g, at))
+    kwargs = dict(state_dtype=state_dtype, chunk_bytes=chunk_bytes, width=96)
+    ahead = _gpu_loop(True, cuda_graph=True, **kwargs)
+    stats = ahead[1].graph_stats()
+    assert (stats["captures"], stats["replays"], stats["off"]) == (1, 4, None), stats
+    assert isinstance(ahead[1]._graphs.held, SplitStep)
+    assert heads == [True, False, False, False, False]  # the capture's, then from backward
+    assert_bitwise(ahead, _gpu_loop(False, **kwargs))
+    assert_bitwise(ahead, _gpu_loop(False, cuda_graph=True, **kwargs))
+    assert_bitwise(ahead, _gpu_loop(False, offload=False, **kwargs))
+
+
+@pytest.mark.cuda
+def test_gpu_graph_state_dict_right_after_a_replay_is_final():
+    """state_dict() right after a replayed step waits for its tail graph's stores."""
+    from muon_offload.engine.graph_ends import SplitStep
+
+    params, opt = _gpu_loop(True, check_state_dict=True, cuda_graph=True, width=96)
+    assert opt.graph_stats()["replays"] == 4 and isinstance(opt._graphs.held, SplitStep)
 
 
 def test_prefetched_loads_wait_for_the_last_stores_not_for_backward(monkeypatch):

@@ -30,6 +30,10 @@ raises ``CaptureMiss`` (kernels/_launch.py) and graphs are turned off, eagerly. 
 that are not contiguous), the optimizer stays eager (logged once: a warning with ``True``,
 INFO with ``"auto"``).
 
+A step that streams state is captured as three graphs, so that its first loads run under
+backward (``prefetch()``) and its last stores under the next forward (``graph_ends.py``): one
+key, captured, replayed and dropped together.
+
 Meshes: NCCL collectives are captured as graph nodes. Each rank decides alone when to capture
 (its key may change at another step than another rank's), and the collectives stay paired:
 a capture executes nothing and is replayed at once, before any other collective, so every
@@ -61,6 +65,7 @@ from ..distributed import local
 from ..hyper import StepWork
 from ..kernels._launch import TABLES
 from . import capture_rules
+from .graph_ends import SplitStep
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +231,11 @@ class StepGraphs:
     def pool_bytes(self) -> int:
         return getattr(self._graph, "pool_bytes", 0)
 
+    @property
+    def held(self):
+        """The graph held (a ``SplitStep`` for a step that streams state), or None."""
+        return self._graph
+
     def stats(self) -> dict:
         return {
             "captures": self.captures,
@@ -236,9 +246,10 @@ class StepGraphs:
             "off": self.off,
         }
 
-    def step(self, key: GraphKey | None, why_not: str, layouts, body) -> str:
+    def step(self, key: GraphKey | None, why_not: str, layouts, body, ends=None) -> str:
         """Run the step's GPU work (``body``): "replay", "capture" (then replayed once),
-        or "eager"."""
+        or "eager". ``ends``: (scheduler, transfers, side) of a step that streams state,
+        captured as three graphs (``graph_ends.SplitStep``)."""
         if self.off is not None:
             body()
             self.eager_steps += 1
@@ -254,7 +265,7 @@ class StepGraphs:
             why_not = changed(key, self._key) if key is not None else why_not
             self.drop()
         elif key is not None and last is not None and last[0] == key:
-            if self._capture(key, layouts, body):
+            if self._capture(key, layouts, body, ends):
                 return "capture"
             self._eager(body)  # graphs are off now
             return "eager"
@@ -272,8 +283,9 @@ class StepGraphs:
         if self._graph is None:
             return
         if self._stream is not None:
-            # A replay may still be running: let it finish before its pool is released.
-            torch.cuda.current_stream(self.device).synchronize()
+            # A replay may still be running (a head or tail on the scheduler's streams): let
+            # it finish before its pool is released.
+            torch.cuda.synchronize(self.device)
         self._graph.reset()
         self._graph, self._key, self._holds = None, None, ()
 
@@ -296,14 +308,16 @@ class StepGraphs:
         finally:
             current.wait_stream(self._stream)
 
-    def _capture(self, key: GraphKey, layouts, body) -> bool:
+    def _capture(self, key: GraphKey, layouts, body, ends) -> bool:
         # Waits under capture may only name events recorded in it: every wait of the
         # scheduler's step names one recorded earlier in the same step (scheduler.py).
-        graph = self._new_graph()
+        graph = self._new_graph() if ends is None else SplitStep(self._new_graph, *ends)
         try:
             with TABLES.holding() as tables:
                 graph.capture(body)
         except Exception as err:  # nothing ran: the step runs eagerly instead
+            if ends is not None:
+                graph.reset()  # what was captured of it (a head graph before the miss)
             self._give_up(f"the capture failed: {type(err).__name__}: {err}")
             return False
         self._graph, self._key, self._holds = graph, key, (layouts, tables)
@@ -338,7 +352,7 @@ class GraphMixin:
         if self._graphs.off is not None:  # given up: no key to compute
             self._graphs.step(None, self._graphs.off, layouts, body)
             return
-        sched.prepare(transfers, side)  # the staging arena as this step uses it, for the key
+        streamed = sched.prepare(transfers, side)  # the arena as this step uses it, for the key
         table = self._scalars.buffer if self._scalars is not None else None
         if table is None:
             key, why = None, "the step runs no Triton kernels"
@@ -354,7 +368,8 @@ class GraphMixin:
                 self.backend,
                 self._grad_table and self._grad_table.key(),
             )
-        self._graphs.step(key, why, layouts, body)
+        ends = (sched, transfers, side) if streamed else None  # head and tail: graph_ends.py
+        self._graphs.step(key, why, layouts, body, ends)
 
     def _graphed(self, device: torch.device, closure: bool) -> bool:
         """Whether this step goes through ``StepGraphs`` (captured, replayed, or eager while

@@ -17,15 +17,19 @@ beside them, the first loads and the last stores, so:
   calls ``prefetch()``, so the first loads run under the rest of backward.
 - An eager step on CUDA, while no CUDA graph is in use, leaves its stores running: the compute
   stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
-  (with graphs in use every step joins them: a replay's captured loads could not wait for
-  stores an eager step left running). The scheduler keeps an event
+  (while graphs are in use an eager step joins them: the capture that may follow waits on no
+  event recorded before it). The scheduler keeps an event
   for each store stream; the next run's loads and any prefetch wait for them (``wait_stores``),
   and whatever reads host state or gives staging bytes back waits on the host (``finish``, the
   optimizer's ``_synchronize``: ``state_dict``, copies and saves, ``load_state_dict``, state
   dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
-  every stream into the capturing one, as CUDA requires, and takes no prefetched load: its
-  graph replays its own loads, so ``prefetch()`` does nothing while graphs are in use
-  (``cuda_graph="auto"`` on CUDA with the Triton kernels, until graphs are given up).
+  every stream into the capturing one, as CUDA requires, and takes no load ``issue`` queued.
+- With graphs in use, a step that streams state is captured as three graphs
+  (``graph_ends.py``): a head graph of the loads ``issue`` would queue, which ``prefetch()``
+  replays on the h2d stream while the graph is held (``Split``: the main graph's capture takes
+  those loads and leaves the tail's stores out, ``defer``), and a tail graph of the last
+  stores, replayed on the d2h stream after the main graph and left running: its end is the
+  event in ``stores`` that the next loads and ``finish`` wait for, as an eager step's.
 
 Without CUDA, ``issue`` copies at once and the run skips those copies: the same logic in plan
 order, which CI tests.
@@ -37,6 +41,8 @@ import weakref
 from functools import partial
 
 import torch
+
+from . import graph_ends
 
 
 class Ahead:
@@ -50,6 +56,29 @@ class Ahead:
         self.stores: dict = {}  # store stream -> event recorded at the end of the last run
         self.open = False  # the last run left its stores running (no error, no capture)
         self.leave = True  # whether the next run may leave them running (no graph in use)
+        self.split = None  # while a step's main graph is captured apart from its head and
+        # tail graphs (graph_ends.py): the ``Split`` the run reads
+        self.headed = None  # the head graph (graph_ends.py) that loaded the arena last (its
+        # main replay takes those loads); any run or ``issue`` rewrites the arena: None
+
+
+class Split:
+    """A run captured between a head and a tail graph: its first ``head`` streamed chunks are
+    loaded by the head graph, the stores of the streamed chunks in ``tail`` (by place among the
+    streamed) are left to the tail graph, which queues the chunks listed in ``deferred``."""
+
+    def __init__(self, head: int, tail: frozenset) -> None:
+        self.head, self.tail = head, tail
+        self.deferred: list[int] = []  # chunk indices, in run order
+
+
+def defer(sched, k: int, chunk: int) -> bool:
+    """Whether the store of the k-th streamed chunk (``chunk``) is left to a tail graph."""
+    split = sched.ahead.split
+    if split is None or k not in split.tail:
+        return False
+    split.deferred.append(chunk)
+    return True
 
 
 def issue(sched, transfers, side) -> int:
@@ -59,16 +88,21 @@ def issue(sched, transfers, side) -> int:
     if ahead.transfers is transfers and ahead.side is side:
         return ahead.loads  # queued already
     streamed = sched.prepare(transfers, side)
-    after = sched.layout.issue_after
-    n = 0
-    while n < len(streamed) and after[n] < 0:
-        n += 1
+    n = first_loads(sched.layout)
     if sched.cuda and not ahead.open:  # the last run ended joined into its caller's stream
         sched.h2d_stream.wait_stream(torch.cuda.current_stream(sched.device))
     wait_stores(sched)  # the host bytes final and the arena's free
     for k in range(n):
         sched._load(k, streamed[k])
-    ahead.transfers, ahead.side, ahead.loads = transfers, side, n
+    ahead.transfers, ahead.side, ahead.loads, ahead.headed = transfers, side, n, None
+    return n
+
+
+def first_loads(layout) -> int:
+    """How many of the first streamed chunks load before the arena wraps (no store first)."""
+    after, n = layout.issue_after, 0
+    while n < len(after) and after[n] < 0:
+        n += 1
     return n
 
 
@@ -80,8 +114,10 @@ def take(sched, transfers, side, capturing: bool) -> int:
     ahead = sched.ahead
     same = ahead.transfers is transfers and ahead.side is side and not capturing
     n = ahead.loads if same else 0
-    ahead.transfers = ahead.side = None
+    ahead.transfers = ahead.side = ahead.headed = None
     ahead.loads, ahead.open = 0, False
+    if ahead.split is not None:  # a main graph's capture: the head graph's loads; its
+        return ahead.split.head  # replays count the runs (graph_ends.py)
     ahead.runs += 1
     if not capturing:
         wait_stores(sched)
@@ -97,14 +133,19 @@ def wait_stores(sched) -> None:
 def leave_stores(sched, forked: list) -> list:
     """At the end of an eager run that raised nothing: record each store stream's end and
     return the forked streams the caller's stream still waits for (loads, side updates)."""
-    ahead = sched.ahead
     stores = [s for s in forked if s is sched.d2h_stream or s is _side_d2h(sched)]
-    for stream in stores:
+    record_stores(sched, stores)
+    return [s for s in forked if not any(s is t for t in stores)]
+
+
+def record_stores(sched, streams: list) -> None:
+    """Record the end of each store stream, left running: the next loads wait for them."""
+    ahead = sched.ahead
+    for stream in streams:
         if stream not in ahead.stores:
             ahead.stores[stream] = torch.cuda.Event()
         ahead.stores[stream].record(stream)
     ahead.open = True
-    return [s for s in forked if not any(s is t for t in stores)]
 
 
 def _side_d2h(sched):
@@ -138,15 +179,18 @@ class PrefetchMixin:
         ``step()`` does not wait for them; return whether any load was queued. The next step
         uses them if it runs the same plan as the last step (the same parameters with
         gradients, budgets and state), and loads afresh otherwise. Nothing to do (False)
-        before the first step, without streamed state, while CUDA graphs are in use (a replay
-        runs its own loads), and while 8-bit scales handed out by ``state_dict()`` may still
-        be written into (they are copied in at the next step)."""
+        before the first step, without streamed state, while CUDA graphs are in use and no
+        graph of the last step's plan is held (while one is, its head graph is replayed:
+        graph_ends.py), and while 8-bit scales handed out by ``state_dict()`` may still be
+        written into (they are copied in at the next step)."""
         sched, last = self._scheduler, self._plans.last
         if sched is None or last is None or not self._streamed or self._handed_scales.held:
             return False
-        if self._graphs_in_use(sched.device):
-            return False
         _, transfers, _, side, _ = last[1]
+        if self._graphs_in_use(sched.device):
+            held = self._graphs and self._graphs.held
+            split = isinstance(held, graph_ends.SplitStep) and held.sched is sched
+            return split and held.transfers is transfers and held.prefetch()
         return issue(sched, transfers, side) > 0
 
     def _graphs_in_use(self, device) -> bool:

@@ -40,8 +40,9 @@ a slot sized to a 224 MiB Muon matrix). Without a CUDA device the same code runs
 copies and no streams, in plan order, so CI tests the logic of the pipeline. A step captured
 as a CUDA graph (``graphs.py``) runs it under capture: the scheduler's streams fork from the
 capturing stream and join back into it, and every wait names an event of the same step (the
-capture starts after a device sync). Chunk state travels as ``transfer.plan_transfer`` lays
-it out.
+capture starts after a device sync); captured apart from its first loads and last stores
+(``graph_ends.py``), it takes the first and leaves the last out (``prefetch.Split``). Chunk
+state travels as ``transfer.plan_transfer`` lays it out.
 """
 
 from __future__ import annotations
@@ -253,6 +254,8 @@ class StreamScheduler:
                 marks = self._mark(i, "update", None)
                 update(i, views)
                 self._end_mark(marks, None)
+                if prefetch.defer(self, self._position[i], i):
+                    continue
                 marks = self._mark(i, "store", None)
                 for host, staged in copies:
                     host.copy_(staged)
@@ -285,6 +288,7 @@ class StreamScheduler:
     def _run_streams(self, transfers, update, compute, next_load: int) -> None:
         """``next_load``: the streamed chunks loaded ahead of the run (``prefetch.take``)."""
         streamed, issue_after = self._streamed, self._layout.issue_after
+        unordered = next_load if self.ahead.split else 0  # head graph loads: no events
 
         def issue(stored: int) -> None:
             """Queue, in order, the loads whose waits name only stores already queued (chunks
@@ -305,11 +309,14 @@ class StreamScheduler:
                 k = self._position[i]
                 # Chunk k's load is queued: its waits name chunks before k, all stored by now.
                 views, copies = self._staged(i)
-                stream.wait_event(self._loaded[k])
+                if k >= unordered:
+                    stream.wait_event(self._loaded[k])
                 marks = self._mark(i, "update", stream)
                 update(i, views)
                 self._end_mark(marks, stream)
                 self._updated[k].record(stream)
+            if prefetch.defer(self, k, i):  # to the tail graph: no load waits for it
+                continue
             d2h = self.side_d2h_stream if side else self.d2h_stream
             with torch.cuda.stream(d2h):
                 d2h.wait_event(self._updated[k])

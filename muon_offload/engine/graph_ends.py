@@ -1,0 +1,137 @@
+"""A captured step that streams state, as three CUDA graphs: its first loads run under backward
+and its last stores under the next forward, as an eager step's do (prefetch.py).
+
+A replay runs its graph as a whole on the stream it is launched on, and a capture must join
+every stream it forks, so one graph of the step would hold its first loads until the replay
+starts (after backward) and the compute stream until its last stores end. The step is captured
+instead as
+
+- the *head*: the loads ``prefetch.issue`` would queue (the first streamed chunks that fit in
+  the arena before it wraps, ``first_loads``);
+- the *main* graph: the run with those loads taken (as an eager run takes prefetched loads;
+  their updates wait for no load event: none recorded in the capture), and the stores of the
+  *tail* left out;
+- the *tail*: the stores of the chunks whose staging bytes no later load of the run takes
+  (``tail_of``: in no load's waits; the last ring's slots), which the main graph so need not
+  finish.
+
+Each is captured as the main graph alone was (graphs.py), in one step, under one key: a key
+change drops all three, a capture miss in any gives graphs up. Their replays are ordered by
+plain events recorded and waited on outside any capture:
+
+    h2d stream       [waits: last tail's end] head  (from prefetch(): under backward)
+    compute stream   ... backward ... [waits: head's end] main | forward ...
+    d2h stream                               [waits: main's end] tail | ...
+
+- The head's loads write arena bytes and read host state: the last step's tail (and through it
+  its main graph, every update and store of that step) ends first; backward's work is not
+  waited for, except when the step replays the head itself (no ``prefetch()`` before it), or
+  the last step joined its stores (eager, or a capture): then the h2d stream waits for
+  whatever the compute stream queued before, as ``prefetch.issue`` does.
+- The main graph follows the head (its updates read the head's bytes; its own loads take
+  bytes whose last holders it waits for inside the graph, after the head's chunks).
+- The tail follows the main graph's end (every update of its chunks); the compute stream does
+  not wait for it. Its end is what the next head, an eager step's loads (``prefetch.take``),
+  and every host reader (``finish``: the d2h stream) wait for, as ``ahead.stores``.
+
+Nothing more is staged: the head and tail read and write the arena's bytes of the main graph.
+Without CUDA the three replay in order (the CPU tests' stand-in graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import prefetch
+
+
+def tail_of(layout) -> frozenset[int]:
+    """The streamed chunks (by place) whose stores no load of the run waits for."""
+    taken = set().union(*layout.waits)
+    return frozenset(k for k in range(len(layout.offsets)) if k not in taken)
+
+
+def _copy(sched, chunks: list[int], load: bool) -> None:
+    """Copy ``chunks``' host bytes into their arena bytes (``load``) or back, on the current
+    stream (a capture's: inside a graph, no other stream orders them)."""
+    for chunk in chunks:
+        for host, staged in sched._staged(chunk)[1]:
+            if load:
+                staged.copy_(host, non_blocking=sched.cuda)
+            else:
+                host.copy_(staged, non_blocking=sched.cuda)
+
+
+class SplitStep:
+    """The head, main and tail graphs of one step (``StepGraphs`` sees one graph:
+    ``capture(body)``, ``replay()``, ``reset()``), and ``prefetch()``, the head's replay."""
+
+    def __init__(self, new_graph: Callable[[], object], sched, transfers, side) -> None:
+        self.sched, self.transfers, self.side = sched, transfers, side
+        self.head, self.main, self.tail = new_graph(), new_graph(), new_graph()
+        self._ends = [torch.cuda.Event() for _ in range(2)] if sched.cuda else None
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(getattr(g, "pool_bytes", 0) for g in (self.head, self.main, self.tail))
+
+    def capture(self, body: Callable[[], None]) -> None:
+        """Capture the three (``body``: the step's run)."""
+        sched = self.sched
+        streamed = sched.prepare(self.transfers, self.side)
+        n = prefetch.first_loads(sched.layout)
+        self.head.capture(lambda: _copy(sched, streamed[:n], True))
+        split = sched.ahead.split = prefetch.Split(n, tail_of(sched.layout))
+        try:
+            self.main.capture(body)
+        finally:
+            sched.ahead.split = None
+        self.tail.capture(lambda: _copy(sched, split.deferred, False))
+
+    def prefetch(self) -> bool:
+        """Replay the head (once before each main replay) on the h2d stream."""
+        if self.sched.ahead.headed is not self.head:
+            self._replay_head(False)
+        return True
+
+    def _replay_head(self, at_step: bool) -> None:
+        sched = self.sched
+        if sched.cuda:
+            h2d = sched.h2d_stream
+            if at_step or not sched.ahead.open:
+                h2d.wait_stream(torch.cuda.current_stream(sched.device))
+            prefetch.wait_stores(sched)  # the last tail's end
+            with torch.cuda.stream(h2d):
+                self.head.replay()
+            self._ends[0].record(h2d)
+        else:
+            self.head.replay()
+        sched.ahead.headed = self.head  # till the main replay, or another run, takes the arena
+
+    def replay(self) -> None:
+        """The step: the head (unless prefetched), the main graph on the current stream, the
+        tail on the d2h stream after it, left running."""
+        sched = self.sched
+        if sched.ahead.headed is not self.head:  # not prefetched, or an eager run since
+            self._replay_head(True)
+        sched.ahead.headed = None
+        sched.ahead.runs += 1  # the backward hook prefetches once a run
+        if not sched.cuda:
+            self.main.replay()
+            self.tail.replay()
+            return
+        head_end, main_end = self._ends
+        compute, d2h = torch.cuda.current_stream(sched.device), sched.d2h_stream
+        compute.wait_event(head_end)
+        self.main.replay()
+        main_end.record(compute)
+        d2h.wait_event(main_end)
+        with torch.cuda.stream(d2h):
+            self.tail.replay()
+        prefetch.record_stores(sched, [d2h])
+
+    def reset(self) -> None:
+        for graph in (self.head, self.main, self.tail):
+            graph.reset()

@@ -1,0 +1,163 @@
+"""A captured step that streams state as three graphs (engine/graph_ends.py): the head (the
+first loads, replayed by ``prefetch()`` under backward), the main graph and the tail (the last
+stores, left running under the next forward). On the CPU: the replays' values against the eager
+twin with the graph emulator (tests/_graph_emulator.py), and the order of the replays on
+test_scheduler's stand-in streams. On a GPU: test_prefetch.py's graph loops (``cuda``)."""
+
+import pytest
+import torch
+from _graph_emulator import RecordingGraph
+from test_graph_fresh_grads import BF16_GRADS, INT8_SHAPES, SHAPES, _backward, _muon
+from test_scheduler import _before, _chunks, _Cuda, _expected, _update
+
+from muon_offload.engine.graph_ends import SplitStep, tail_of
+from muon_offload.engine.prefetch import first_loads
+
+
+def _pair(monkeypatch, made, shapes, **kw):
+    pair = []
+    for graphed in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        pair.append((_muon(params, monkeypatch, made, graphed, offload=True, **kw), params))
+    return pair
+
+
+@pytest.mark.parametrize(
+    ("shapes", "kw"),
+    [
+        (SHAPES, {"chunk_bytes": 3000}),
+        (SHAPES, {"chunk_bytes": 1 << 30}),  # the arena holds the step: all head, all tail
+        (INT8_SHAPES, {"chunk_bytes": 6000, "state_dtype": torch.int8}),
+    ],
+)
+def test_split_replays_with_prefetch_equal_the_eager_step_bitwise(monkeypatch, shapes, kw):
+    """Eight steps of fresh gradients, prefetch() before most of them (the step replays the
+    head itself at steps 3 and 7), fp32 gradients from step 4 on (a key change: the three graphs
+    dropped, eager, captured again), step 6 eager under ``timeline()`` after its prefetch (the
+    graph held: its arena rewritten, so step 7 replays the head again): every step equals the
+    eager offloaded twin, bit for bit; prefetch() replays the head of a held graph once, and
+    nothing while none is held."""
+    made: list[RecordingGraph] = []
+    pair = _pair(monkeypatch, made, shapes, **kw)
+    (opt, params), (twin, twin_params) = pair
+    prefetched = []
+    for s in range(8):
+        for o, ps in pair:
+            _backward(ps, s, BF16_GRADS if s < 4 else {})
+            if o is opt and s not in (3, 7):
+                prefetched.append(o.prefetch())
+                heads = made[0].replays if made else 0
+                assert o.prefetch() is prefetched[-1]
+                assert (made[0].replays if made else 0) == heads  # once a step
+            o.param_groups[0]["lr"] *= 0.9
+            if s == 6:
+                with o.timeline():
+                    o.step()
+            else:
+                o.step()
+            o.zero_grad()
+        for p, q in zip(params, twin_params, strict=True):
+            assert torch.equal(p, q), s
+            for key in opt.state[p]:
+                assert torch.equal(opt.state[p][key], twin.state[q][key]), (s, key)
+    # 0 eager; 1 capture; 2, 3 replay; 4 dropped, eager; 5 capture; 6 eager (timed); 7 replay.
+    assert prefetched == [False, False, True, True, False, True]
+    stats = opt.graph_stats()
+    assert (stats["captures"], stats["replays"], stats["off"]) == (2, 3, None)
+    assert len(made) == 6 and all(g.was_reset for g in made[:3])
+    # Heads: at 1 (the capture's replay), 2, 3, and 4's prefetch (dropped at the step); at 5,
+    # 6's prefetch, and 7 (the eager step 6 took the arena after it).
+    assert [g.replays for g in made] == [4, 3, 3, 3, 2, 2]
+    assert isinstance(opt._graphs.held, SplitStep)
+
+
+class _StandInGraph:
+    """A graph on test_scheduler's stand-in streams: ``capture`` runs the body as a capture
+    (each wait names an event recorded in it); ``replay`` queues one node on the current
+    stream, the whole graph (a replay completes as a whole on the stream it is launched on)."""
+
+    def __init__(self, cuda, sched):
+        self.cuda, self.sched, self.replayed = cuda, sched, []
+
+    def capture(self, body):
+        streams = self.cuda.streams(self.sched)
+        for s in streams:
+            s.waits = []
+        start, self.cuda.capturing = len(self.cuda.log), True
+        try:
+            body()
+        finally:
+            self.cuda.capturing = False
+        for s in streams:
+            assert all(w.deps[-1].index >= start for w in s.waits), s.name
+
+    def replay(self):
+        self.replayed.append(self.cuda.current._add())
+
+    def reset(self):
+        pass
+
+
+def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_forward(
+    monkeypatch,
+):
+    """The head replays on the h2d stream after the last tail and (when prefetched) not after
+    backward; the main graph after the head and backward; the tail on the d2h stream after the
+    main graph, and the next forward does not wait for it; the next run's loads, an eager
+    one's, wait for it. The main graph's capture loads only the chunks after the head, stores
+    only those outside the tail (the stores no load waits for), and waits for no load event of
+    the head's chunks (none recorded in it)."""
+    cuda = _Cuda(monkeypatch)
+    slab, tensors, transfers = _chunks([5000, 700, 64, 1300, 5000, 900, 2000])
+    want = _expected(_expected(tensors))  # the capture's copies, then an eager run's
+    side = (False, True, False, True, True, False, True)
+    sched = cuda.scheduler(ring=2)
+    graphs = []
+
+    def new_graph():
+        graphs.append(_StandInGraph(cuda, sched))
+        return graphs[-1]
+
+    split = SplitStep(new_graph, sched, transfers, side)
+    marks = sched.timeline = []
+    split.capture(lambda: sched.run(transfers, _update, side))
+    head, main, tail = graphs
+    n, ends = first_loads(sched.layout), tail_of(sched.layout)
+    assert 1 <= n < len(transfers) and ends and max(ends) == len(transfers) - 1
+    assert [c for c, stage, _, _ in marks if stage == "load"] == list(range(n, len(transfers)))
+    stored = [c for c, stage, _, _ in marks if stage == "store"]
+    assert stored == [c for c in range(len(transfers)) if c not in ends]
+    for j, waits in enumerate(sched.layout.waits):
+        assert not ends & set(waits), j
+    sched.timeline = None
+    last_tail = None
+    for s in range(4):
+        backward = cuda.compute._add()
+        prefetched = s % 2 == 1
+        if prefetched:
+            assert split.prefetch() and split.prefetch()
+        late = cuda.compute._add()  # the rest of backward
+        split.replay()
+        forward = cuda.compute._add()
+        assert len(head.replayed) == len(main.replayed) == len(tail.replayed) == s + 1
+        h, m, t = head.replayed[-1], main.replayed[-1], tail.replayed[-1]
+        assert (h.stream, m.stream, t.stream) == ("h2d", "compute", "d2h")
+        assert _before(h, m) and _before(late, m) and _before(m, t)
+        assert not _before(t, forward)
+        assert _before(t, sched.ahead.stores[sched.d2h_stream].node)
+        if last_tail is not None:
+            assert _before(last_tail, h)
+        # Under backward once a replay left its tail running; at the step (no prefetch, or
+        # after the capture, which joined its stores) after what the compute stream queued.
+        assert _before(late, h) == (not prefetched)
+        assert _before(backward, h) == (not prefetched or last_tail is None)
+        last_tail = t
+    marks = sched.timeline = []
+    sched.run(transfers, _update, side)  # an eager run after a replay (a key change)
+    for _, stage, start, _ in marks:
+        if stage == "load":
+            assert _before(last_tail, start.node)
+    for got, exp in zip(tensors, want, strict=True):  # copies run at once on the stand-ins
+        for a, b in zip(got, exp, strict=True):
+            assert torch.equal(a, b)
