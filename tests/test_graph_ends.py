@@ -161,3 +161,36 @@ def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_fo
     for got, exp in zip(tensors, want, strict=True):  # copies run at once on the stand-ins
         for a, b in zip(got, exp, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_a_miss_in_any_of_the_three_captures_gives_graphs_up(monkeypatch, failing):
+    """The head, main or tail capture raises (a tuning decision missing under capture): the
+    graphs captured before it are reset, graphs are given up, and the steps run eagerly, bit
+    for bit as the twin."""
+    from muon_offload.kernels._launch import CaptureMiss
+
+    made: list[RecordingGraph] = []
+    pair = _pair(monkeypatch, made, SHAPES, chunk_bytes=3000)
+    (opt, params), (twin, twin_params) = pair
+    real = RecordingGraph.capture
+
+    def capture(graph, body):
+        if graph is made[failing]:  # head, main or tail of the first capture
+            raise CaptureMiss("muon_apply was not tuned before the capture")
+        real(graph, body)
+
+    monkeypatch.setattr(RecordingGraph, "capture", capture)
+    for s in range(4):
+        for o, ps in pair:
+            _backward(ps, s, BF16_GRADS)
+            o.step()
+            o.zero_grad()
+        for p, q in zip(params, twin_params, strict=True):
+            assert torch.equal(p, q), s
+            for key in opt.state[p]:
+                assert torch.equal(opt.state[p][key], twin.state[q][key]), (s, key)
+    stats = opt.graph_stats()
+    assert "the capture failed: CaptureMiss" in stats["off"], stats
+    assert stats["replays"] == 0 and len(made) == 3
+    assert all(g.was_reset for g in made)
