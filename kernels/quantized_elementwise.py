@@ -131,36 +131,11 @@ def _adamw8_kernel(
     vs_ptr = _typed(row, 5, tl.float32, start // _QB, False)
     hyper = _adamw_hyper(scalars)
     n_full = count // BLOCK
+    ptrs = (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr)
     for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
-        _adamw8_tile(
-            p_ptr,
-            g_ptr,
-            mc_ptr,
-            ms_ptr,
-            vc_ptr,
-            vs_ptr,
-            i_t * BLOCK,
-            count,
-            hyper,
-            BLOCK,
-            False,
-            CAUTIOUS,
-        )
+        _adamw8_tile(*ptrs, i_t * BLOCK, count, hyper, BLOCK, False, CAUTIOUS)
     if n_full * BLOCK < count:
-        _adamw8_tile(
-            p_ptr,
-            g_ptr,
-            mc_ptr,
-            ms_ptr,
-            vc_ptr,
-            vs_ptr,
-            n_full * BLOCK,
-            count,
-            hyper,
-            BLOCK,
-            True,
-            CAUTIOUS,
-        )
+        _adamw8_tile(*ptrs, n_full * BLOCK, count, hyper, BLOCK, True, CAUTIOUS)
 
 
 @triton.jit
