@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,12 +40,16 @@ from ._launch import (
 from ._triton import tl, triton
 from .muon_apply import ParamApply, apply_step, check_apply
 from .muon_reference import (  # noqa: F401  (re-exported: the references' importers)
+    ApplyHyper,
     apply_scalars,
     muon_apply_reference_,
     muon_prep_reference,
     new_outputs,
 )
 from .sumsq import LOG2_SUMSQ_BLOCK, SUMSQ_BLOCK, SUMSQ_CHUNK, groups_for, sum_partials, tree_sum
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
 
 # prep: one group of the sum of squares (``sumsq.py``) per program, ``SUMSQ_BLOCK`` lanes:
 # the tiles are the sum's order, fixed, so only the warps are tuned. A 768x2048 matrix is
@@ -304,10 +309,8 @@ def muon_apply_(
     params: Sequence[Tensor],
     update: Tensor,
     *,
-    lr: float,
-    weight_decay: float,
-    adjusted_lr: float,
     cautious_wd: bool = False,
+    **hyper: Unpack[ApplyHyper],
 ) -> None:
     """X = X (1 - lr wd) - adjusted_lr U for a batch in one launch, math in fp32 (with
     ``cautious_wd``, the decay only where U and X agree in sign: ``muon_apply_reference_``).
@@ -315,7 +318,7 @@ def muon_apply_(
     ``params`` are contiguous tensors of m*n elements each, read as row-major [m, n];
     ``update`` is [B, m, n] with any strides (a ``.mT`` view of a contiguous [B, n, m]
     tensor is read along its contiguous dimension)."""
-    scalars = apply_scalars(lr, weight_decay, adjusted_lr)
+    scalars = apply_scalars(**hyper)
     device = params[0].device if params else update.device
     muon_apply_from_(params, update, device_scalars(scalars, device), cautious_wd)
 

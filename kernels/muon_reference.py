@@ -4,11 +4,15 @@ path runs them too), and what both share: the prep's outputs and the apply's sca
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import Tensor
 
 from .elementwise_reference import cautious_decay
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
 
 
 def new_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
@@ -19,6 +23,15 @@ def new_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | N
     if sumsq is None:
         sumsq = torch.empty(batch, dtype=torch.float32, device=device)
     return out, sumsq
+
+
+class ApplyHyper(TypedDict):
+    """The apply's hyper-parameters, the keywords of ``muon_apply_`` and its reference:
+    ``apply_scalars``' arguments."""
+
+    lr: float
+    weight_decay: float
+    adjusted_lr: float
 
 
 def apply_scalars(lr: float, weight_decay: float, adjusted_lr: float) -> tuple[float, float]:
@@ -52,14 +65,12 @@ def muon_apply_reference_(
     params: Sequence[Tensor],
     update: Tensor,
     *,
-    lr: float,
-    weight_decay: float,
-    adjusted_lr: float,
     cautious_wd: bool = False,
+    **hyper: Unpack[ApplyHyper],
 ) -> None:
     """X = X (1 - lr wd) - adjusted_lr U for each matrix of the batch, math in fp32.
     ``cautious_wd`` (dion's): the decay only where U and X (before the step) agree in sign."""
-    decay, adjusted_lr = apply_scalars(lr, weight_decay, adjusted_lr)
+    decay, adjusted_lr = apply_scalars(**hyper)
     for i, x in enumerate(params):
         u32, x32 = update[i].float(), x.float()
         factor = cautious_decay(u32, x32, decay) if cautious_wd else decay
