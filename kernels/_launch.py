@@ -73,6 +73,15 @@ def autotune_enabled() -> bool:
     return os.environ.get("MUON_OFFLOAD_AUTOTUNE", "1") != "0" and not interpreted()
 
 
+# Grid axis 1 (the batch) holds at most this many programs: larger batches launch in slices.
+MAX_GRID_Y = 65535
+
+
+def batch_slices(batch: int) -> list[tuple[int, int]]:
+    """(first matrix, matrices) of each launch of a batch along grid axis 1."""
+    return [(start, min(batch - start, MAX_GRID_Y)) for start in range(0, batch, MAX_GRID_Y)]
+
+
 def bucket(n: int) -> int:
     """Next power of two: tuning keys grow by doubling, so new sizes rarely re-tune."""
     return 1 << max(int(n) - 1, 0).bit_length()

@@ -28,6 +28,7 @@ from ._launch import (
     FP_FUSION,
     TUNER,
     Config,
+    batch_slices,
     bench_ms,
     bucket,
     dtype_name,
@@ -63,9 +64,6 @@ GRAM_CONFIGS = (
 # Without TMA (a layout it cannot read, or the switch off): made once, not per launch.
 GRAM_POINTER_CONFIGS = tuple(c for c in GRAM_CONFIGS if not c.tma)
 GRAM_INTERPRETER_CONFIG = Config(block=32, chunk=32, num_warps=4, num_stages=1)
-
-# Grid axis 1 (the batch) holds at most this many programs: larger batches launch in slices.
-MAX_GRID_Y = 65535
 
 
 @triton.jit(do_not_specialize=("b_start",))
@@ -155,8 +153,8 @@ def _launch(
     batch, m, k = x.shape
     tiles = triton.cdiv(m, config.block)
     y_arg, args, constexprs = epilogue_args(y, out, alpha, beta, diag, symmetrize, scale)
-    for start in range(0, batch, MAX_GRID_Y):
-        _sym_gram_kernel[(tiles * (tiles + 1) // 2, min(batch - start, MAX_GRID_Y))](
+    for start, size in batch_slices(batch):
+        _sym_gram_kernel[(tiles * (tiles + 1) // 2, size)](
             x,
             w,
             y_arg,

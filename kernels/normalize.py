@@ -27,6 +27,7 @@ from ._launch import (
     FP_FUSION,
     TUNER,
     Config,
+    batch_slices,
     bench_ms,
     bucket,
     dtype_name,
@@ -43,7 +44,6 @@ NORMALIZE_CONFIGS = (
     Config(block=2048, chunk=8192, num_warps=8),
 )
 NORMALIZE_INTERPRETER_CONFIG = Config(block=256, chunk=1024, num_warps=4)
-MAX_GRID_Y = 65535
 
 
 @triton.jit
@@ -127,8 +127,8 @@ def normalize(
 
     def launch(config: Config, target: Tensor) -> None:
         grid_x = triton.cdiv(numel, config.chunk)
-        for start in range(0, batch, MAX_GRID_Y):
-            _normalize_kernel[(grid_x, min(batch - start, MAX_GRID_Y))](
+        for start, size in batch_slices(batch):
+            _normalize_kernel[(grid_x, size)](
                 flat,
                 target,
                 sumsq,

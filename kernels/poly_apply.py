@@ -25,6 +25,7 @@ from torch import Tensor
 from ._launch import (
     TUNER,
     Config,
+    batch_slices,
     bench_ms,
     bucket,
     check_scalars,
@@ -33,7 +34,7 @@ from ._launch import (
 )
 from ._tma import tma_enabled, tma_layout
 from ._triton import tl, triton
-from .gram import MAX_GRID_Y, _scratch, _scratch_scale, pointer_options
+from .gram import _scratch, _scratch_scale, pointer_options
 from .normalize import NormScale, norm_scale_arg, normalize_scale
 from .poly_apply_tma import (
     ApplyArgs,
@@ -174,8 +175,8 @@ def _launch(
     if stride_pk != 1 and stride_pm == 1:  # B = B^T: read it so that K stays contiguous
         stride_pm, stride_pk = stride_pk, stride_pm
     args, constexprs = epilogue_args(x, out, alpha, scale, apply, even)
-    for start in range(0, batch, MAX_GRID_Y):
-        _poly_apply_kernel[(tiles, min(batch - start, MAX_GRID_Y))](
+    for start, size in batch_slices(batch):
+        _poly_apply_kernel[(tiles, size)](
             poly,
             x,
             out,

@@ -25,14 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._launch import interpreted
+from ._launch import batch_slices, interpreted
 from ._triton import tl, triton
 
 SUMSQ_BLOCK = 2048
 SUMSQ_CHUNK = 32768
 LOG2_SUMSQ_BLOCK = 11
 MAX_ROW_LANES = 1024
-MAX_GRID_Y = 65535
 
 
 @triton.jit
@@ -133,8 +132,8 @@ def sum_squares(u: Tensor) -> Tensor:
         return out.zero_()
     groups = groups_for(numel)
     partial = torch.empty(batch, groups, dtype=torch.float32, device=u.device)
-    for start in range(0, batch, MAX_GRID_Y):
-        _sumsq_partial_kernel[(groups, min(batch - start, MAX_GRID_Y))](
+    for start, size in batch_slices(batch):
+        _sumsq_partial_kernel[(groups, size)](
             flat,
             partial,
             start,
