@@ -40,9 +40,18 @@ def rule_decisions(rank, world, port):
     real = capture_rules.cuda_backend
     capture_rules.cuda_backend = lambda group: "nccl"
     try:
-        assert capture_rules.group_blocker(dict(params=dt), mesh.get_group()) is None
+        # "auto" leaves collectives across processes eager; cuda_graph=True captures them.
+        across = capture_rules.group_blocker(dict(params=dt), mesh.get_group(), True)
+        assert across is None
         params, groups = build(mesh, True)
-        assert Muon(groups, distributed_mesh=mesh, lr=0.02)._graph_blocker is None
+        auto = Muon(groups, distributed_mesh=mesh, lr=0.02)._graph_blocker
+        assert auto == (
+            f"a distributed_mesh of {world} processes (cuda_graph=True captures their collectives)"
+        ), auto
+        assert capture_rules.group_blocker(dict(params=dt), None) == (
+            f"DTensor parameters on a mesh of {world} processes (cuda_graph=True captures "
+            "their collectives)"
+        )
         with pytest.raises(ValueError, match="needs parameters on a CUDA device"):
             Muon(groups, distributed_mesh=mesh, lr=0.02, backend="triton", cuda_graph=True)
     finally:

@@ -374,7 +374,16 @@ def test_auto_stays_eager_with_a_gloo_mesh(monkeypatch):
     assert why == "a distributed_mesh whose CUDA collectives run through gloo (not NCCL)"
     assert capture_rules.group_blocker({"params": params}, None) is None
     monkeypatch.setattr(capture_rules, "cuda_backend", lambda group: "nccl")
-    assert capture_rules.group_blocker({"params": []}, object()) is None
+    sizes = {}  # a mesh group's processes, as dist.get_world_size reads them
+    monkeypatch.setattr(capture_rules.dist, "get_world_size", lambda group: sizes[group])
+    one, two = object(), object()
+    sizes.update({one: 1, two: 2})
+    assert capture_rules.group_blocker({"params": []}, one) is None
+    # Collectives across processes: "auto" leaves them eager, cuda_graph=True captures them.
+    assert capture_rules.group_blocker({"params": []}, two) == (
+        "a distributed_mesh of 2 processes (cuda_graph=True captures their collectives)"
+    )
+    assert capture_rules.group_blocker({"params": []}, two, across_processes=True) is None
     opt._graph_blocker = why  # what a gloo mesh or a DTensor group on one sets
     for s in range(4):
         _grads(params, s)

@@ -9,7 +9,9 @@ bias corrections, gradient addresses) from the step's device tables
 on parameters on a CUDA device, and where every collective a step issues (over a
 ``distributed_mesh``, or the meshes of DTensor parameters) runs its CUDA tensors through NCCL,
 whose collectives a capture records as graph nodes; gloo's cannot be captured. Pairing across
-ranks, and what the sharded path captures by address: ``graphs.py``."""
+ranks, and what the sharded path captures by address: ``graphs.py``. Collectives across
+processes are captured with ``cuda_graph=True`` only: ``"auto"`` keeps those steps eager (a
+one-process mesh captures under both)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def check_settings(settings, mesh_group, algorithms) -> None:
             "cuda_graph=True needs the Triton kernels (backend 'auto' or 'triton'): the torch "
             "references take their hyper-parameters as Python numbers, which a graph would fix"
         )
-    why = mesh_blocker(mesh_group)
+    why = mesh_blocker(mesh_group, across_processes=True)
     if why is not None:
         raise NotImplementedError(f"cuda_graph=True cannot capture {why}")
 
@@ -51,24 +53,32 @@ def cuda_backend(group) -> str | None:
     return None
 
 
-def mesh_blocker(mesh_group, what: str = "a distributed_mesh") -> str | None:
-    """Why collectives over ``mesh_group`` cannot be captured (None: none, or NCCL's)."""
+def mesh_blocker(
+    mesh_group, what: str = "a distributed_mesh", across_processes: bool = False
+) -> str | None:
+    """Why collectives over ``mesh_group`` are not captured (None: none, or NCCL's). Without
+    ``across_processes`` (``"auto"``), NCCL collectives over more than one process are not
+    either: ``cuda_graph=True`` asks for them."""
     if mesh_group is None:
         return None
     backend = cuda_backend(mesh_group)
-    if backend == "nccl":
-        return None
-    return f"{what} whose CUDA collectives run through {backend or 'no backend'} (not NCCL)"
+    if backend != "nccl":
+        return f"{what} whose CUDA collectives run through {backend or 'no backend'} (not NCCL)"
+    size = 1 if across_processes else dist.get_world_size(mesh_group)
+    if size > 1:
+        return f"{what} of {size} processes (cuda_graph=True captures their collectives)"
+    return None
 
 
-def group_blocker(group: dict, mesh_group) -> str | None:
-    """Why ``"auto"`` keeps every step with this param group eager (None: nothing here): its
-    mesh, or a DTensor parameter's mesh, does not run CUDA collectives through NCCL."""
-    why = mesh_blocker(mesh_group)
+def group_blocker(group: dict, mesh_group, across_processes: bool = False) -> str | None:
+    """Why the steps with this param group are not captured (None: nothing here): its mesh,
+    or a DTensor parameter's mesh, does not run CUDA collectives through NCCL, or (without
+    ``across_processes``: ``"auto"``) spans more than one process."""
+    why = mesh_blocker(mesh_group, across_processes=across_processes)
     meshes = {id(p.device_mesh): p.device_mesh for p in group["params"] if isinstance(p, DTensor)}
     for mesh in meshes.values():
         for sub in mesh.get_all_groups():
-            why = why or mesh_blocker(sub, "DTensor parameters on a mesh")
+            why = why or mesh_blocker(sub, "DTensor parameters on a mesh", across_processes)
     return why
 
 
@@ -83,7 +93,7 @@ def auto_blocker(device: torch.device, backend: str, algorithms) -> str | None:
 
 def check_group(group: dict, index: int, mesh_group) -> None:
     """A param group ``cuda_graph=True`` cannot capture: refused when it is added."""
-    why = group_blocker(group, mesh_group)
+    why = group_blocker(group, mesh_group, across_processes=True)
     if why is not None:
         raise NotImplementedError(f"param group {index}: cuda_graph=True cannot capture {why}")
     for p in group["params"]:

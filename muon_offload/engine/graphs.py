@@ -3,10 +3,11 @@
 The host time of a step is mostly kernel launches (thousands a step on large models); a replay
 issues them all at once. ``cuda_graph="auto"`` (the default) captures wherever a graph can
 run: parameters on CUDA, the Triton kernels, meshes (``distributed_mesh``, DTensors') that
-run CUDA collectives through NCCL, no ``closure``; elsewhere, and once graphs are given up, the step stays eager without a word
-above the INFO log level. ``cuda_graph=True`` refuses what cannot be captured instead, and
-warns when it gives up; ``False`` never captures. What a step passes to its launches by value,
-the graph keeps, so:
+run CUDA collectives through NCCL (within one process: collectives across processes are
+captured with ``cuda_graph=True``), no ``closure``; elsewhere, and once graphs are given up,
+the step stays eager without a word above the INFO log level. ``cuda_graph=True`` refuses
+what cannot be captured instead, and warns when it gives up; ``False`` never captures. What a
+step passes to its launches by value, the graph keeps, so:
 
 - runtime scalars (learning rates, decays, bias corrections, mu, eps) are read by the kernels
   from the step's scalar table (``scalars.py``), which every step, eager or replayed, fills;
