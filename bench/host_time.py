@@ -72,7 +72,7 @@ from host_time_stubs import replayed, stubbed_kernels  # noqa: E402
 # that is not found (renamed) simply reads 0. "run" includes "jobs" and "update".
 PHASES = (
     ("check groups and grads", "engine/optimizer.py", "_check_step"),
-    ("rank agreement", "rank_agreement.py", "check"),
+    ("rank agreement", "distributed/rank_agreement.py", "check"),
     ("state lookup/creation", "engine/state.py", "_ensure_state"),
     ("plan (lookup or build)", "engine/optimizer.py", "_plan"),
     ("scheduler run (all chunks)", "engine/scheduler.py", "run"),

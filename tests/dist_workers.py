@@ -385,7 +385,7 @@ def dcp_resume(rank, world, port, path):
 
 
 # ---------------------------------------------------------------- rank agreement
-# Every rank of a mesh must step the same parameters: muon_offload/rank_agreement.py.
+# Every rank of a mesh must step the same parameters: muon_offload/distributed/rank_agreement.py.
 
 
 def _agreement_message(call):
@@ -399,7 +399,7 @@ def _agreement_message(call):
 def agreement_direct(rank, world, port):
     """StepAgreement on a gloo mesh: agreeing lists pass; a position missing on the last rank
     raises on every rank, naming that position's parameter and the ranks."""
-    from muon_offload.rank_agreement import StepAgreement, fingerprint
+    from muon_offload.distributed.rank_agreement import StepAgreement, fingerprint
 
     init(rank, world, port)
     from muon_offload.distributed import resolve_mesh
@@ -439,7 +439,7 @@ def agreement_direct(rank, world, port):
     # The optimizer's side: one agreement per mesh; positions run over the mesh's groups in
     # turn (a group without a mesh takes no part); the error names group and parameter.
     from muon_offload.distributed import LOCAL
-    from muon_offload.rank_agreement import StepAgreements
+    from muon_offload.distributed.rank_agreement import StepAgreements
 
     world_mesh = resolve_mesh(dist.group.WORLD)
     groups = [dict(params=[torch.zeros(2, 3) for _ in range(2)]) for _ in range(3)]
@@ -474,8 +474,7 @@ def agreement_twins(rank, world, port):
     """Meshes whose groups have no gloo backend get a gloo twin over the same ranks, made
     collectively over the WORLD even though each rank's groups differ (dp groups {0,1} and
     {2,3}, ep groups {0,2} and {1,3}). Forced here on gloo groups by hiding their backend."""
-    from muon_offload import rank_agreement
-    from muon_offload.distributed import resolve_mesh
+    from muon_offload.distributed import rank_agreement, resolve_mesh
 
     mesh2d = init(rank, world, port, (2, world // 2), ("dp", "ep"))
     rank_agreement._has_cpu_gloo = lambda group: False
@@ -510,7 +509,7 @@ def agreement_cost(rank, world, port, path):
     import time
 
     from muon_offload.distributed import resolve_mesh
-    from muon_offload.rank_agreement import StepAgreement, fingerprint
+    from muon_offload.distributed.rank_agreement import StepAgreement, fingerprint
 
     init(rank, world, port)
     agreement = StepAgreement(resolve_mesh(dist.group.WORLD))
@@ -611,7 +610,7 @@ def agreement_muon_none_on_one_rank(rank, world, port):
 def agreement_muon_agreed(rank, world, port):
     """All ranks agree (some gradients None on every rank in one step): the steps are bitwise
     those without the agreement check (StepAgreements.check made a no-op)."""
-    from muon_offload import rank_agreement
+    from muon_offload.distributed import rank_agreement
 
     mesh = init(rank, world, port)
     results = []

@@ -1,12 +1,13 @@
 """Every rank of a mesh must step the same parameters
-(muon_offload/rank_agreement.py). Gloo processes on CPUs, as tests/test_distributed.py."""
+(muon_offload/distributed/rank_agreement.py). Gloo processes on CPUs, as
+tests/test_distributed.py."""
 
 import json
 
 import _processes
 import pytest
 
-from muon_offload.rank_agreement import fingerprint
+from muon_offload.distributed.rank_agreement import fingerprint
 
 import dist_workers
 

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from ..distributed import (
     Mesh,
     Placement,
+    StepAgreements,
     check_ranks_agree,
     local,
     placement_of,
@@ -41,7 +42,6 @@ from ..hyper import (
     listed_params,
     step_work,
 )
-from ..rank_agreement import StepAgreements
 from . import capture_rules, first_compile
 from .algorithm import Algorithm, common_backends
 from .checkpoint import CheckpointMixin

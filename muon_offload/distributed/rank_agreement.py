@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .distributed import Mesh
+from .collectives import Mesh
 
 # The mesh's group -> its CPU (gloo) group; per process, shared by all optimizers.
 _CPU_GROUPS: dict[object, object] = {}
