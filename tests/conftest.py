@@ -35,6 +35,29 @@ TOOLING = (
 )
 
 
+# Bench scripts set TORCHDYNAMO_DISABLE when imported (their runs are eager); torch._dynamo reads
+# it when first imported, so a value left behind would turn torch.compile off for the tests
+# that follow in the same worker. Put back after collection and after every test.
+_DYNAMO_ENV = os.environ.get("TORCHDYNAMO_DISABLE")
+
+
+def _restore_dynamo_env() -> None:
+    if _DYNAMO_ENV is None:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+    else:
+        os.environ["TORCHDYNAMO_DISABLE"] = _DYNAMO_ENV
+
+
+def pytest_collection_finish(session):
+    _restore_dynamo_env()
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_env_kept():
+    yield
+    _restore_dynamo_env()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "tooling: tests of the bench scripts, CLI, docs, layout")
 

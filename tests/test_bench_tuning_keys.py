@@ -16,10 +16,19 @@ pytest.importorskip("transformers", reason='needs transformers: pip install -e "
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+# The bench scripts set TORCHDYNAMO_DISABLE at import, for their own runs; this process keeps
+# its own setting (torch._dynamo reads it when first imported: torch.compile elsewhere in the
+# worker would return the module itself, and dion would run uncompiled).
+_DYNAMO_ENV = os.environ.get("TORCHDYNAMO_DISABLE")
 import tuning_keys  # noqa: E402
 from muon_offload.kernels import _launch, muon, quantized_muon, tuning  # noqa: E402
 from training_loop import OURS, config  # noqa: E402
 from transformers_step import build_model  # noqa: E402
+
+if _DYNAMO_ENV is None:
+    os.environ.pop("TORCHDYNAMO_DISABLE", None)
+else:
+    os.environ["TORCHDYNAMO_DISABLE"] = _DYNAMO_ENV
 
 
 def _model(kind: str, device: str):
