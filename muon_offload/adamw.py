@@ -9,8 +9,9 @@ import torch
 
 from .elementwise import AdamWUpdate
 from .engine import ChunkedOptimizer
+from .engine.algorithm import Hyper
 from .engine.settings import takes_settings
-from .hyper import Hyper, read_torch_adamw_hyper, torch_betas
+from .hyper import read_torch_adamw_hyper, torch_betas
 
 if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
     from typing_extensions import Unpack

@@ -8,8 +8,7 @@ format declares (``_pick``); state of other formats reaches them decoded to fp32
 
 from __future__ import annotations
 
-from .engine.algorithm import Algorithm, UnitJob, runs_triton
-from .hyper import Hyper
+from .engine.algorithm import Algorithm, Hyper, UnitJob, runs_triton
 from .kernels import elementwise, elementwise_reference
 from .kernels.elementwise import adamw_scalars, lion_scalars
 

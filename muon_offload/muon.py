@@ -15,9 +15,9 @@ from . import muon_launch as launch
 from .distributed import local, orthogonalize_replicated, orthogonalize_sharded, placement_of
 from .elementwise import AdamWUpdate, LionUpdate
 from .engine import ChunkedOptimizer
-from .engine.algorithm import Algorithm, UnitJob
+from .engine.algorithm import Algorithm, Hyper, UnitJob
 from .engine.settings import takes_settings
-from .hyper import ADJUST_LR_MODES, Hyper, check_beta, read_hyper
+from .hyper import ADJUST_LR_MODES, check_beta, read_hyper
 from .kernels.muon import apply_scalars
 from .kernels.orthogonalize import ORTHOGONALIZERS
 from .muon_shapes import (

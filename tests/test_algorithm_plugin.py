@@ -38,8 +38,7 @@ import pytest
 import torch
 
 from muon_offload.engine import ChunkedOptimizer
-from muon_offload.engine.algorithm import Algorithm, StateKey, UnitJob
-from muon_offload.hyper import Hyper
+from muon_offload.engine.algorithm import Algorithm, Hyper, StateKey, UnitJob
 
 EPS1 = 1e-30  # the paper's epsilon_1, added to the squared gradient
 CLIP = 1.0  # the paper's d: the update's RMS is clipped to at most d

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from muon_offload import AdamW, Muon
+from muon_offload.engine.group_checks import check_grad
 from muon_offload.engine.settings import Settings, SettingsArgs
-from muon_offload.hyper import check_grad
 
 SHAPES = [(24, 40), (40, 24), (24, 40), (3, 8, 12), (77,), (5,)]
 

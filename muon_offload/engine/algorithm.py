@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from ..distributed import Mesh
-from ..hyper import Hyper
 from ..kernels._grad_index import GradIndex
 from .decoded import decoded_update
 from .state_format import Dense, StateFormat
@@ -26,6 +25,26 @@ DENSE = Dense(torch.float32)
 # references elsewhere; "triton": the kernels everywhere (on the CPU under the Triton
 # interpreter); "torch": the references everywhere.
 BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One group's hyper-parameters for one step, as plain Python numbers."""
+
+    algorithm: str
+    lr: float
+    weight_decay: float
+    mu: float = 0.0
+    beta1: float = 0.0
+    beta2: float = 0.0
+    eps: float = 0.0
+    nesterov: bool = False
+    adjust_lr: str | None = None
+    flatten: bool = False
+    split_sizes: tuple[int, ...] | None = None
+    num_heads: int | None = None  # dion's per-head split of 2-D weights (muon_shapes.py)
+    # dion's cautious weight decay: decay only where the update and the parameter agree in sign
+    cautious_wd: bool = False
 
 
 def runs_triton(backend: str, device: torch.device) -> bool:

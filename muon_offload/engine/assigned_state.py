@@ -28,7 +28,7 @@ from itertools import chain
 from torch import Tensor
 
 from ..distributed import DTensor, local
-from ..hyper import same_objects
+from .step_work import same_objects
 
 
 class HeldState:

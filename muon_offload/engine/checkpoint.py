@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from ..distributed import DTensor, local, resolve_mesh
-from ..hyper import Hyper
 from . import capture_rules
+from .algorithm import Hyper
 from .saved_groups import carried, check_groups, check_structure, listed_keys, names_no_parameter
 from .sharded_scales import crop, lay_out, strip_rank_dims
 from .state import key_shapes

@@ -19,11 +19,11 @@ from operator import attrgetter
 from torch import Tensor
 
 from ..distributed import DTensor, Mesh, local, run_tasks
-from ..hyper import Hyper, StepWork
 from ..kernels._grad_index import GradIndex
-from .algorithm import Algorithm, UnitJob
+from .algorithm import Algorithm, Hyper, UnitJob
 from .planner import Chunk, Matrices, MatrixUnit, Unit, unit_params
 from .state_format import StateFormat
+from .step_work import StepWork
 
 _grad = attrgetter("grad")
 

@@ -31,13 +31,13 @@ import torch
 from torch import Tensor
 
 from ..distributed import DTensor, local
-from ..hyper import StepWork
 from ..kernels._grad_index import GradIndex
 from ..kernels._launch import ALIGN_BYTES
 from .algorithm import reads_tables
 from .chunks import ChunkLayout
 from .host_ring import HostRing
 from .planner import Matrices, unit_params
+from .step_work import StepWork
 
 
 def grad_table(table: GradTable | None, algorithms: dict, backend: str, device) -> GradTable | None:

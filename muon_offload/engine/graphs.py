@@ -63,10 +63,10 @@ import torch
 from torch import Tensor
 
 from ..distributed import local
-from ..hyper import StepWork
 from ..kernels._launch import TABLES
 from . import capture_rules
 from .graph_ends import SplitStep
+from .step_work import StepWork
 
 log = logging.getLogger(__name__)
 

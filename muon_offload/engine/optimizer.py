@@ -34,20 +34,13 @@ from ..distributed import (
     placement_of,
     resolve_mesh,
 )
-from ..hyper import (
-    Hyper,
-    StepWork,
-    check_param_dtypes,
-    check_unique_params,
-    listed_params,
-    step_work,
-)
 from . import capture_rules, first_compile
-from .algorithm import Algorithm, common_backends
+from .algorithm import Algorithm, Hyper, common_backends
 from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk, write_back
 from .grad_table import GradTable, grad_table
 from .graphs import GraphMixin, StepGraphs
+from .group_checks import check_param_dtypes, check_unique_params, listed_params
 from .interrupt import interrupted
 from .introspect import ToolsSurface
 from .planner import ParamInfo, Plan, elementwise_only, plan_step
@@ -58,6 +51,7 @@ from .settings import Settings, SettingsMixin
 from .sharded_scales import HandedScales
 from .state import StateMixin, StateStore
 from .step_counts import StepCounts, split_by_count
+from .step_work import StepWork, step_work
 from .transfer import plan_transfers
 
 log = logging.getLogger(__name__)

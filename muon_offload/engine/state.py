@@ -17,12 +17,14 @@ import torch
 from torch import Tensor
 
 from ..distributed import DTensor, dtensor_around, local
-from ..hyper import Hyper, StepWork, check_state_fits, same_objects
+from .algorithm import Hyper
 from .assigned_state import HeldState
+from .group_checks import check_state_fits
 from .host_slabs import HostSlabs
 from .planner import plan_step, unit_params
 from .sharded_scales import check_placements
 from .state_format import StateFormat, StatePolicy
+from .step_work import StepWork, same_objects
 
 
 @dataclass(frozen=True)
