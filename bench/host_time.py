@@ -15,8 +15,8 @@ enough that the torch calls themselves are cheap:
   workload's while the arithmetic is tiny.
 
 Each case runs twice: with the torch references of the kernels (``torch``: the real CPU
-step, whose torch calls do the arithmetic) and with the launchers (``muon_launch.py``,
-``elementwise.py``) stubbed out (``stub``: each returns an output of the right shape and
+step, whose torch calls do the arithmetic) and with the launchers (``optim/muon_launch.py``,
+``optim/elementwise.py``) stubbed out (``stub``: each returns an output of the right shape and
 computes nothing), which leaves the engine's own host time: checks, state, plans, jobs,
 views. On a GPU the kernels' launches come on top of the stubbed figure.
 
@@ -78,9 +78,9 @@ PHASES = (
     ("scheduler run (all chunks)", "engine/scheduler.py", "run"),
     ("  unit jobs (views, lists)", "engine/chunks.py", "_job"),
     ("  chunk state lists", "engine/chunks.py", "chunk_state"),
-    ("  muon update", "muon_offload/muon.py", "update"),
-    ("  element-wise update", "muon_offload/elementwise.py", "update"),
-    ("    orthogonalize", "muon_offload/muon_launch.py", "orthogonalize_batch"),
+    ("  muon update", "muon_offload/optim/muon.py", "update"),
+    ("  element-wise update", "muon_offload/optim/elementwise.py", "update"),
+    ("    orthogonalize", "muon_offload/optim/muon_launch.py", "orthogonalize_batch"),
     ("scalar table fill", "engine/scalars.py", "write"),
     ("graph key", "engine/graphs.py", "step_key"),
 )

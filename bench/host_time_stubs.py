@@ -8,14 +8,14 @@ import contextlib
 
 import torch
 
-from muon_offload import elementwise, muon_launch
 from muon_offload.engine import capture_rules, graphs
+from muon_offload.optim import elementwise, muon_launch
 
 
 @contextlib.contextmanager
 def stubbed_kernels():
-    """The launchers (``muon_launch.py``, ``elementwise.py``) replaced by ones that compute
-    nothing: what is left of a step is the engine's host time."""
+    """The launchers (``optim/muon_launch.py``, ``optim/elementwise.py``) replaced by ones that
+    compute nothing: what is left of a step is the engine's host time."""
 
     def prep(backend, momentums, grads, *args, **kwargs):
         m = momentums[0]

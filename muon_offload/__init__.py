@@ -7,20 +7,20 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .adamw import AdamW
     from .engine import DEFAULT_CHUNK_BYTES
     from .engine.interrupt import StepInterrupted
-    from .muon import Muon
-    from .param_groups import muon_param_groups
+    from .optim.adamw import AdamW
+    from .optim.muon import Muon
+    from .optim.param_groups import muon_param_groups
 
 # Each public name and the module that holds it, imported on first use: importing the package
 # (as the ``muon-offload`` command does before it parses its arguments) loads no torch.
 _HOMES = {
-    "AdamW": ".adamw",
+    "AdamW": ".optim.adamw",
     "DEFAULT_CHUNK_BYTES": ".engine",
-    "Muon": ".muon",
+    "Muon": ".optim.muon",
     "StepInterrupted": ".engine.interrupt",
-    "muon_param_groups": ".param_groups",
+    "muon_param_groups": ".optim.param_groups",
 }
 __all__ = ["AdamW", "DEFAULT_CHUNK_BYTES", "Muon", "StepInterrupted", "muon_param_groups"]
 

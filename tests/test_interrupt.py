@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from muon_offload import Muon, StepInterrupted
-from muon_offload.elementwise import AdamWUpdate, LionUpdate
-from muon_offload.muon import MuonUpdate
+from muon_offload.optim.elementwise import AdamWUpdate, LionUpdate
+from muon_offload.optim.muon import MuonUpdate
 
 SHAPES = [(24, 40), (24, 40), (40, 24), (3, 8, 12), (16, 16), (77,), (300,), (5,)]
 

@@ -19,7 +19,7 @@ from muon_offload.kernels.orthogonalize import orthogonalize_apply_, orthogonali
 from muon_offload.kernels.poly_apply import poly_apply
 from muon_offload.kernels.poly_apply_tma import apply_kernel_args
 
-from muon_offload import muon_launch
+from muon_offload.optim import muon_launch
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 METHODS = ("polar_express", "newton_schulz5", "gram_newton_schulz")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from muon_offload import AdamW, Muon, StepInterrupted
-from muon_offload.elementwise import AdamWUpdate
 from muon_offload.engine import host_slabs
+from muon_offload.optim.elementwise import AdamWUpdate
 
 
 def _params(seed=0, shapes=((37, 19), (21, 45), (101,))):

@@ -23,7 +23,7 @@ from muon_offload.kernels.elementwise import adamw_scalars, lion_scalars
 from muon_offload.kernels.muon import apply_scalars
 
 from muon_offload import AdamW, Muon
-from muon_offload.muon_shapes import adjusted_lr
+from muon_offload.optim.muon_shapes import adjusted_lr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

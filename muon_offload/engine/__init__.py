@@ -12,7 +12,8 @@
 - ``saved_groups.py``: a loaded state dict's structure and groups, checked first.
 - ``interrupt.py``: what a step stopped by an exception updated (``StepInterrupted``).
 - ``algorithm.py``: what the engine asks of an algorithm (its update, scalars, budget rule,
-  backends); each algorithm's launchers live beside it (``muon_launch.py``, ``elementwise.py``).
+  backends); each algorithm and its launchers live in ``optim/`` (``optim/muon_launch.py``,
+  ``optim/elementwise.py``).
 """
 
 from .optimizer import ChunkedOptimizer

@@ -2,7 +2,7 @@
 
 The engine (``optimizer.py``) owns state, plans, streams and interruption; an algorithm owns
 the math of one unit, as dion's ``muon.py`` supplies its tasks over ``megabatch_base.py``.
-``Muon`` (``muon.py``) and the element-wise rules (``elementwise.py``) implement it.
+``Muon`` (``optim/muon.py``) and the element-wise rules (``optim/elementwise.py``) implement it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Hyper:
     adjust_lr: str | None = None
     flatten: bool = False
     split_sizes: tuple[int, ...] | None = None
-    num_heads: int | None = None  # dion's per-head split of 2-D weights (muon_shapes.py)
+    num_heads: int | None = None  # dion's per-head split of 2-D weights (optim/muon_shapes.py)
     # dion's cautious weight decay: decay only where the update and the parameter agree in sign
     cautious_wd: bool = False
 

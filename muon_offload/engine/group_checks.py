@@ -1,7 +1,7 @@
 """The generic checks of param groups, gradients and parameters: everything here runs before
 any parameter or state is touched, so a bad input raises with the optimizer exactly as it was.
-The per-algorithm reading of a group's hyper-parameters is each algorithm's own (``hyper.py``
-beside the optimizers); ``where`` names the place of a bad value for both."""
+The per-algorithm reading of a group's hyper-parameters is each algorithm's own
+(``optim/hyper.py``); ``where`` names the place of a bad value for both."""
 
 from __future__ import annotations
 

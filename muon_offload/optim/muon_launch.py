@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .engine.algorithm import runs_triton
-from .kernels import muon, orthogonalize
-from .kernels._launch import device_scalars
+from ..engine.algorithm import runs_triton
+from ..kernels import muon, orthogonalize
+from ..kernels._launch import device_scalars
 
 
 def muon_prep(backend: str, momentums, grads, *, mu, nesterov: bool, grad_index=None):
@@ -32,7 +32,7 @@ def muon_prep8(backend: str, m_codes, m_scales, grads, *, mu, nesterov: bool, gr
     """``muon_prep`` on 8-bit momentum: decoded, updated and encoded again in one pass (the
     kernels on CUDA: H200, triton 3.6, 2026-12-01, equal to the references bit for bit on the
     GPU; docs/benchmarks.md)."""
-    from .kernels import quantized_muon as q
+    from ..kernels import quantized_muon as q
 
     if runs_triton(backend, m_codes[0].device):
         return q.muon_prep8(

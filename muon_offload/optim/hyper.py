@@ -11,8 +11,8 @@ from functools import partial
 
 from torch import Tensor
 
-from .engine.algorithm import Hyper
-from .engine.group_checks import where
+from ..engine.algorithm import Hyper
+from ..engine.group_checks import where
 from .muon_shapes import read_num_heads
 
 ALGORITHMS = ("muon", "adamw", "lion")

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..distributed import local, orthogonalize_replicated, orthogonalize_sharded, placement_of
+from ..engine import ChunkedOptimizer
+from ..engine.algorithm import Algorithm, Hyper, UnitJob
+from ..engine.settings import takes_settings
+from ..kernels.muon import apply_scalars
+from ..kernels.orthogonalize import ORTHOGONALIZERS
 from . import muon_launch as launch
-from .distributed import local, orthogonalize_replicated, orthogonalize_sharded, placement_of
 from .elementwise import AdamWUpdate, LionUpdate
-from .engine import ChunkedOptimizer
-from .engine.algorithm import Algorithm, Hyper, UnitJob
-from .engine.settings import takes_settings
 from .hyper import ADJUST_LR_MODES, check_beta, read_hyper
-from .kernels.muon import apply_scalars
-from .kernels.orthogonalize import ORTHOGONALIZERS
 from .muon_shapes import (
     adjusted_lr,
     heads_view,
@@ -31,7 +31,7 @@ from .muon_shapes import (
 if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
     from typing_extensions import Unpack
 
-    from .engine.settings import SettingsArgs
+    from ..engine.settings import SettingsArgs
 
 
 class MuonUpdate(Algorithm):

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..engine import ChunkedOptimizer
+from ..engine.algorithm import Hyper
+from ..engine.settings import takes_settings
 from .elementwise import AdamWUpdate
-from .engine import ChunkedOptimizer
-from .engine.algorithm import Hyper
-from .engine.settings import takes_settings
 from .hyper import read_torch_adamw_hyper, torch_betas
 
 if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
     from typing_extensions import Unpack
 
-    from .engine.settings import SettingsArgs
+    from ..engine.settings import SettingsArgs
 
 
 @takes_settings

@@ -8,9 +8,9 @@ format declares (``_pick``); state of other formats reaches them decoded to fp32
 
 from __future__ import annotations
 
-from .engine.algorithm import Algorithm, Hyper, UnitJob, runs_triton
-from .kernels import elementwise, elementwise_reference
-from .kernels.elementwise import adamw_scalars, lion_scalars
+from ..engine.algorithm import Algorithm, Hyper, UnitJob, runs_triton
+from ..kernels import elementwise, elementwise_reference
+from ..kernels.elementwise import adamw_scalars, lion_scalars
 
 
 class AdamWUpdate(Algorithm):
@@ -121,8 +121,8 @@ def adamw8_(
     grad_index=None,
     **hyper,
 ) -> None:
-    from .kernels import quantized_elementwise as q
-    from .kernels import quantized_elementwise_reference as r
+    from ..kernels import quantized_elementwise as q
+    from ..kernels import quantized_elementwise_reference as r
 
     kernels = (r.adamw8_reference_, q.adamw8_from_, q.adamw8_)
     state = (m_codes, m_scales, v_codes, v_scales)
@@ -132,8 +132,8 @@ def adamw8_(
 def lion8_(
     backend: str, params, grads, m_codes, m_scales, *, scalars=None, grad_index=None, **hyper
 ) -> None:
-    from .kernels import quantized_elementwise as q
-    from .kernels import quantized_elementwise_reference as r
+    from ..kernels import quantized_elementwise as q
+    from ..kernels import quantized_elementwise_reference as r
 
     kernels = (r.lion8_reference_, q.lion8_from_, q.lion8_)
     _launch(backend, kernels, params, grads, (m_codes, m_scales), scalars, grad_index, hyper)
