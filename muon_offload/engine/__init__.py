@@ -6,6 +6,8 @@
 - ``scheduler.py``: owns the side streams, events and staging arena; load, update, store.
 - ``state.py`` / ``host_slabs.py``: where state lives; pinned host slabs allocated once.
 - ``settings.py``: the constructor settings: checked, defaulted and documented once.
+- ``group_checks.py`` / ``step_work.py``: the generic checks of groups, parameters and
+  gradients, and a step's checked (group, parameter) pairs; each runs before anything is touched.
 - ``chunks.py``: one chunk's state in order, its units run as tasks.
 - ``introspect.py``: the small surface tools read (host bytes, staging, timeline).
 - ``checkpoint.py``: ``load_state_dict``'s checks and copies.
