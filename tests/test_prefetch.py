@@ -385,7 +385,17 @@ def test_stores_are_left_running_only_while_no_graph_is_in_use(monkeypatch):
     assert not sched.ahead.open
     for stream in (sched.d2h_stream, sched.side_d2h_stream):
         assert _before(stream.last, after), stream.name
+    # Given up (cuda_graph=True too: its steps stay eager from then on): in use no more, so
+    # prefetch() queues loads and the step leaves its stores running again.
+    opt._graphs.off = "given up"
+    opt.cuda_graph = True
+    assert opt.prefetch()
+    opt.cuda_graph = False  # True refuses a step on these CPU tensors; the loads stay queued
+    _grads(params, 10)
+    opt.step()
+    assert sched.ahead.open
     twin = mixed_run(init, 5, 2, seed=40, steps=2, **kwargs)
-    _grads(twin[0], 9)
-    twin[1].step()
+    for s in (9, 10):
+        _grads(twin[0], s)
+        twin[1].step()
     assert_bitwise((params, opt), twin)

@@ -194,9 +194,12 @@ class PrefetchMixin:
         return issue(sched, transfers, side) > 0
 
     def _graphs_in_use(self, device) -> bool:
-        """Whether a step may go through ``StepGraphs`` (captured, replayed, eager meanwhile)."""
-        graphs = self._graphs is not None and self._graphs.off is None
-        return graphs or self._graphed(device, False)
+        """Whether a step may go through ``StepGraphs`` (captured, replayed, eager meanwhile):
+        not once graphs are given up (``off``), whatever ``cuda_graph`` says (with ``True``
+        too, the steps stay eager from then on)."""
+        if self._graphs is not None:
+            return self._graphs.off is None
+        return self._graphed(device, False)
 
     def _run_step(self, *args, **kwargs) -> None:
         """The step's GPU work (``GraphMixin._run_step``). Its stores are left running only
