@@ -38,3 +38,20 @@ def assert_bitwise(a, b) -> None:
         for key in oa.state[x]:
             assert torch.equal(oa.state[x][key].cpu(), ob.state[y][key].cpu()), key
     assert [g["step"] for g in oa.param_groups] == [g["step"] for g in ob.param_groups]
+
+
+def state_copy(opt, params) -> list[dict]:
+    """Each parameter's state, cloned (a snapshot to compare with a later one)."""
+    return [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+
+
+def same_tensors(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def same_state(a, b) -> bool:
+    """Two ``state_copy`` snapshots: the same keys, bit for bit."""
+    return all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b, strict=True)
+    )

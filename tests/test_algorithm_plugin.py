@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _mixed_runs import same_state, same_tensors, state_copy
 
 from muon_offload.engine import ChunkedOptimizer
 from muon_offload.engine.algorithm import Algorithm, Hyper, StateKey, UnitJob
@@ -133,21 +134,6 @@ def _steps(params, opt, start, count):
         opt.step()
 
 
-def _state(opt, params):
-    return [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-
-
-def _same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _same_state(a, b) -> bool:
-    return all(
-        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
 def _chunks(opt) -> int:
     return len(opt._plans.last[1][0].chunks)  # the last step's plan
 
@@ -187,8 +173,8 @@ def test_same_bits_whatever_the_chunking_or_offload(kw, chunks):
     opt = Adafactor(params, **HYPER, **kw)
     _steps(params, opt, 0, STEPS)
     assert _chunks(opt) == chunks
-    assert _same(ref_params, params)
-    assert _same_state(_state(ref, ref_params), _state(opt, params))
+    assert same_tensors(ref_params, params)
+    assert same_state(state_copy(ref, ref_params), state_copy(opt, params))
 
 
 def _loop64(steps: int):
@@ -257,15 +243,15 @@ def test_state_dict_round_trip():
     for p, q in zip(params, again_params, strict=True):
         q.data.copy_(p.data)
     again.load_state_dict(saved)
-    assert _same_state(_state(opt, params), _state(again, again_params))
+    assert same_state(state_copy(opt, params), state_copy(again, again_params))
     _steps(params, opt, 3, 1)
     _steps(again_params, again, 3, 1)
-    assert _same(params, again_params)
-    assert _same_state(_state(opt, params), _state(again, again_params))
+    assert same_tensors(params, again_params)
+    assert same_state(state_copy(opt, params), state_copy(again, again_params))
     # A row vector of another length is refused before anything is written.
     bad = copy.deepcopy(saved)
     bad["state"][3]["exp_avg_sq_row"] = torch.zeros(70)
-    before = _state(again, again_params)
+    before = state_copy(again, again_params)
     with pytest.raises(ValueError, match="exp_avg_sq_row"):
         again.load_state_dict(bad)
-    assert _same_state(before, _state(again, again_params))
+    assert same_state(before, state_copy(again, again_params))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _mixed_runs import same_state, same_tensors, state_copy
 
 from muon_offload import AdamW, Muon
 from muon_offload.engine.state_format import (
@@ -131,21 +132,6 @@ def _steps(params, opt, start, count):
         opt.step()
 
 
-def _state(opt, params):
-    return [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-
-
-def _same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _same_state(a, b) -> bool:
-    return all(
-        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
 RUNS = [
     dict(offload=False),
     dict(offload=True),
@@ -167,8 +153,8 @@ def test_same_bits_whatever_the_chunking_or_offload(build, backend):
     for kw in RUNS[1:] if backend == "torch" else RUNS[2:3]:
         params, opt = build(backend=backend, **kw)
         _steps(params, opt, 0, 3)
-        assert _same(ref_params, params), kw
-        assert _same_state(_state(ref, ref_params), _state(opt, params)), kw
+        assert same_tensors(ref_params, params), kw
+        assert same_state(state_copy(ref, ref_params), state_copy(opt, params)), kw
 
 
 def _roundtrip(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -207,7 +193,7 @@ def test_adamw_is_torch_adamw_with_the_quantization():
     params, opt = _adamw(offload=True, chunk_bytes=3000)
     _steps(params, opt, 0, 3)
     ref_params, ref = _torch_adamw_loop(_params(ADAMW_SHAPES, 2), 3)
-    assert _same(params, ref_params)
+    assert same_tensors(params, ref_params)
     fmt = BlockBf16(BLOCK)
     for p, q in zip(params, ref_params, strict=True):
         for ours, theirs in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
@@ -257,10 +243,10 @@ def test_state_dict_round_trip_and_conversion(build):
     for p, q in zip(params, again_params, strict=True):
         q.data.copy_(p.data)
     again.load_state_dict(saved)
-    assert _same_state(_state(opt, params), _state(again, again_params))
+    assert same_state(state_copy(opt, params), state_copy(again, again_params))
     _steps(params, opt, 2, 1)
     _steps(again_params, again, 2, 1)
-    assert _same(params, again_params)
+    assert same_tensors(params, again_params)
     # Into dense fp32 state (decoded), and from it back (quantized as the format does). The
     # default policy does not know the format: it refuses the checkpoint.
     plain, dense = (Muon, DenseMuon) if build is _muon else (AdamW, DenseAdamW)
@@ -277,4 +263,4 @@ def test_state_dict_round_trip_and_conversion(build):
                 assert torch.equal(t, fmt.decode(codes, scales, "")), name
     back_params, back = build()
     back.load_state_dict(dense.state_dict())
-    assert _same_state(_state(opt, params), _state(back, back_params))
+    assert same_state(state_copy(opt, params), state_copy(back, back_params))
