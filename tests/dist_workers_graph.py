@@ -146,11 +146,7 @@ def replay_equals_eager(rank, world, port):
     # 0 eager, 1 capture, 2-5 replay; the last rank: 2 eager (moved), 3 capture, 4-5 replay.
     expected = (2, 2, 2) if last else (1, 4, 1)
     assert (stats["captures"], stats["replays"], stats["eager_steps"]) == expected, stats
-    (a, opt_a), (b, opt_b) = pair
-    for p, q in zip(a, b, strict=True):
-        assert torch.equal(local(p), local(q))
-        for key, value in opt_b.state[q].items():
-            assert torch.equal(local(opt_a.state[p][key]), local(value)), key
+    _assert_pair_equal(pair)
     _finish()
 
 
@@ -182,12 +178,17 @@ def table_against_own_addresses(rank, world, port):
     finally:
         GradTable.write = write
     assert all(r is not None for r in rows[::2]) and all(r is None for r in rows[1::2])
+    _assert_pair_equal(pair)
+    _finish()
+
+
+def _assert_pair_equal(pair) -> None:
+    """Two (params, opt) runs: the same local weights and state, bit for bit."""
     (a, opt_a), (b, opt_b) = pair
     for p, q in zip(a, b, strict=True):
         assert torch.equal(local(p), local(q))
         for key, value in opt_b.state[q].items():
             assert torch.equal(local(opt_a.state[p][key]), local(value)), key
-    _finish()
 
 
 assert dist_workers  # the module's BACKEND and DEVICE are the ones init() sets
