@@ -23,6 +23,14 @@ def _pair(monkeypatch, made, shapes, **kw):
     return pair
 
 
+def _assert_twins(params, opt, twin_params, twin, step) -> None:
+    """After ``step``: the same weights and state as the eager twin, bit for bit."""
+    for p, q in zip(params, twin_params, strict=True):
+        assert torch.equal(p, q), step
+        for key in opt.state[p]:
+            assert torch.equal(opt.state[p][key], twin.state[q][key]), (step, key)
+
+
 @pytest.mark.parametrize(
     ("shapes", "kw"),
     [
@@ -57,10 +65,7 @@ def test_split_replays_with_prefetch_equal_the_eager_step_bitwise(monkeypatch, s
             else:
                 o.step()
             o.zero_grad()
-        for p, q in zip(params, twin_params, strict=True):
-            assert torch.equal(p, q), s
-            for key in opt.state[p]:
-                assert torch.equal(opt.state[p][key], twin.state[q][key]), (s, key)
+        _assert_twins(params, opt, twin_params, twin, s)
     # 0 eager; 1 capture; 2, 3 replay; 4 dropped, eager; 5 capture; 6 eager (timed); 7 replay.
     assert prefetched == [False, False, True, True, False, True]
     stats = opt.graph_stats()
@@ -186,10 +191,7 @@ def test_a_miss_in_any_of_the_three_captures_gives_graphs_up(monkeypatch, failin
             _backward(ps, s, BF16_GRADS)
             o.step()
             o.zero_grad()
-        for p, q in zip(params, twin_params, strict=True):
-            assert torch.equal(p, q), s
-            for key in opt.state[p]:
-                assert torch.equal(opt.state[p][key], twin.state[q][key]), (s, key)
+        _assert_twins(params, opt, twin_params, twin, s)
     stats = opt.graph_stats()
     assert "the capture failed: CaptureMiss" in stats["off"], stats
     assert stats["replays"] == 0 and len(made) == 3
