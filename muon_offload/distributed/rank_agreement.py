@@ -74,11 +74,11 @@ def cpu_group(group):
     return twin
 
 
-def fingerprint(stepping: Sequence[int], dtypes: Sequence[str] = ()) -> int:
+def fingerprint(stepping: Sequence[int], dtypes: Sequence = ()) -> int:
     """A 63-bit digest of the positions and their gradients' dtype names, the same in every
     process (``-h`` fits in int64)."""
     digest = hashlib.blake2b(array("q", stepping).tobytes(), digest_size=8)
-    digest.update(" ".join(dtypes).encode())
+    digest.update(" ".join(map(str, dtypes)).encode())
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
@@ -101,11 +101,12 @@ class StepAgreement:
         self,
         stepping: Sequence[int],
         describe: Callable[[int], str],
-        dtypes: Sequence[str] = (),
+        dtypes: Sequence = (),
     ) -> None:
         """Collective over the mesh, every step. ``stepping``: the positions (in the mesh's
         parameter order, the same on all ranks) of the parameters with a gradient on this
-        rank; ``dtypes``: those gradients' dtype names, in the same order (or none). Raises
+        rank; ``dtypes``: those gradients' dtypes (or their names), in the same order (or
+        none): compared as they are each step, named only when they change. Raises
         ValueError naming the first parameter that has a gradient on some ranks but not on
         others, or whose gradients' dtypes differ between ranks."""
         message = self.disagreement(stepping, describe, dtypes)
@@ -116,7 +117,7 @@ class StepAgreement:
         self,
         stepping: Sequence[int],
         describe: Callable[[int], str],
-        dtypes: Sequence[str] = (),
+        dtypes: Sequence = (),
     ) -> str | None:
         """``check``'s collective: the error message, or None when all ranks agree."""
         if self.group is None:
@@ -130,7 +131,8 @@ class StepAgreement:
         if high == h and neg_low == -h:
             return None
         everyone: list = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, (list(stepping), list(dtypes)), group=self.group)
+        names = [str(d) for d in dtypes]
+        dist.all_gather_object(everyone, (list(stepping), names), group=self.group)
         return self._message(everyone, describe)
 
     def _message(
@@ -215,7 +217,7 @@ class StepAgreements:
             message = agreement.disagreement(
                 [i for i, _ in grads],
                 lambda i, mine=mine: _describe(param_groups, mine, i),
-                [str(g.dtype) for _, g in grads],
+                [g.dtype for _, g in grads],
             )
             if message is not None:
                 errors.append(message)
