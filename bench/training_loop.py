@@ -16,10 +16,12 @@ same sequence of batches in every mode.
 Modes (rows): ``no_step`` (forward, backward, clip, ``model.zero_grad()``: no optimizer), ours
 resident, ours offloaded with fp32 and with int8 state (``muon_offload.Muon`` over
 ``muon_param_groups(model, adamw_lr=...)``: Muon for the hidden matrices and expert stacks,
-AdamW for embeddings, head and norms), dion's resident ``Muon`` over the same groups (where
-``import dion`` works, or ``--dion-path``; eager, torch.compile off, as in docs/benchmarks.md),
-torch's AdamW over every parameter (``fused=True`` on CUDA). The learning rates follow a cosine
-over each mode's iterations, as in bench/transformers_step.py.
+AdamW for embeddings, head and norms), ours resident and int8 again as ``*_eager``
+(``cuda_graph=False``: every step issued eagerly, their host ms the figure), dion's resident
+``Muon`` over the same groups (where ``import dion`` works, or ``--dion-path``; eager,
+torch.compile off, as in docs/benchmarks.md), torch's AdamW over every parameter
+(``fused=True`` on CUDA). The learning rates follow a cosine over each mode's iterations, as
+in bench/transformers_step.py.
 
 Every mode keeps its own model and optimizer copy, built from the same seed one after the other,
 each running its ``--warmup`` iterations as it is built (the state is created, the graphs of
@@ -79,8 +81,10 @@ from muon_offload.tools.bench.timing import rotated  # noqa: E402
 MODES = (
     "no_step",
     "ours_resident",
+    "ours_resident_eager",
     "ours_offload_fp32",
     "ours_offload_int8",
+    "ours_offload_int8_eager",
     "dion_resident",
     "torch_adamw",
 )
@@ -89,6 +93,9 @@ OURS = {
     "ours_offload_fp32": dict(offload=True),
     "ours_offload_int8": dict(offload=True, state_dtype=torch.int8),
 }
+# Twins of graphed modes with ``cuda_graph=False``: every step eager, as a first step, a
+# closure or a changed set of gradients runs; their host ms is what the host takes to issue it.
+EAGER = {"ours_resident_eager": "ours_resident", "ours_offload_int8_eager": "ours_offload_int8"}
 MOE = dict(
     vocab_size=32000,
     hidden_size=1024,
@@ -143,6 +150,8 @@ def make_optimizer(name: str, model, device: torch.device, dion):
     groups = bench_groups(model)
     if name == "dion_resident":
         return dion.Muon(groups, lr=MUON_LR)
+    if name in EAGER:
+        return Muon(groups, lr=MUON_LR, **OURS[EAGER[name]], cuda_graph=False)
     return Muon(groups, lr=MUON_LR, **OURS[name])
 
 

@@ -19,12 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = (
     "no_step",
     "ours_resident",
+    "ours_resident_eager",
     "ours_offload_fp32",
     "ours_offload_int8",
+    "ours_offload_int8_eager",
     "dion_resident",
     "torch_adamw",
 )
-OURS = ("ours_resident", "ours_offload_fp32", "ours_offload_int8")
+EAGER = {"ours_resident_eager": "ours_resident", "ours_offload_int8_eager": "ours_offload_int8"}
+OURS = ("ours_resident", "ours_offload_fp32", "ours_offload_int8", *EAGER)
 WARMUP, ROUNDS, ITERS = 1, 1, 2
 
 
@@ -92,7 +95,9 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
         for key in ("median_step_ms", "median_host_ms", "first_step_s", "first_step_host_s"):
             assert _finite(row[key]) and row[key] > 0, key
         assert row["median_step_ms"] / 1e3 <= row["max_iter_s"]
-        if name in OURS:  # on the CPU every step is eager, warm-up included
+        if name in EAGER:  # cuda_graph=False: no graph statistics
+            assert row["graph"] is None
+        elif name in OURS:  # on the CPU every step is eager, warm-up included
             stats = row["graph"]
             assert (stats["captures"], stats["replays"]) == (0, 0)
             assert stats["eager_steps"] == WARMUP + ROUNDS * ITERS
@@ -100,6 +105,9 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
             assert row["graph"] is None
     # Every copy was built from the same seed and sees the same batches: one first loss.
     assert len({row["losses"][0] for row in trained.values()}) == 1
+    # An eager twin runs its graphed twin's optimizer: the same losses, bit for bit.
+    for eager, graphed in EAGER.items():
+        assert rows[eager]["losses"] == rows[graphed]["losses"]
     # Offloaded state lives on the host, the 8-bit codes and scales in fewer bytes.
     assert (
         0
