@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from .timeline import stage_rows
+
 
 class ToolsSurface:
     """Mixed into ``ChunkedOptimizer``; reads its store and scheduler."""
@@ -51,7 +53,7 @@ class ToolsSurface:
                 sched.timeline = None
                 if sched.cuda:
                     torch.cuda.synchronize(sched.device)
-                rows.extend(sched.timeline_rows(marks))
+                rows.extend(stage_rows(marks, sched.cuda))
 
     def reconfigure(
         self, chunk_bytes: int | None = None, resident_chunk_bytes: int | None = None

@@ -48,7 +48,6 @@ state travels as ``transfer.plan_transfer`` lays it out.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +56,7 @@ from torch import Tensor
 
 from . import prefetch
 from .host_slabs import ALIGN_BYTES, align_up
+from .timeline import end_stage, start_stage
 from .transfer import Transfer, plan_transfer  # noqa: F401 (its users import it from here)
 
 ARENA_ALIGN = 4096  # each chunk starts on it: a multiple of ALIGN_BYTES, so the residues
@@ -150,7 +150,7 @@ class StreamScheduler:
                 self.side_d2h_stream = torch.cuda.Stream(self.device)
         # When set to a list, each step appends (chunk, stage, start, end) per chunk and stage
         # ("load", "update", "store"): CUDA events on the GPU, perf_counter seconds on the CPU.
-        # None (default) records nothing. ``timeline_rows`` turns it into milliseconds.
+        # None (default) records nothing. ``timeline.stage_rows`` turns it into milliseconds.
         self.timeline: list | None = None
 
     @property
@@ -253,13 +253,13 @@ class StreamScheduler:
                     self._load(self._position[i], i)
                 marks = self._mark(i, "update", None)
                 update(i, views)
-                self._end_mark(marks, None)
+                end_stage(marks, None)
                 if prefetch.defer(self, self._position[i], i):
                     continue
                 marks = self._mark(i, "store", None)
                 for host, staged in copies:
                     host.copy_(staged)
-                self._end_mark(marks, None)
+                end_stage(marks, None)
             return
 
         compute = torch.cuda.current_stream(self.device)
@@ -313,7 +313,7 @@ class StreamScheduler:
                     stream.wait_event(self._loaded[k])
                 marks = self._mark(i, "update", stream)
                 update(i, views)
-                self._end_mark(marks, stream)
+                end_stage(marks, stream)
                 self._updated[k].record(stream)
             if prefetch.defer(self, k, i):  # to the tail graph: no load waits for it
                 continue
@@ -323,7 +323,7 @@ class StreamScheduler:
                 marks = self._mark(i, "store", d2h)
                 for host, staged in copies:
                     host.copy_(staged, non_blocking=True)
-                self._end_mark(marks, d2h)
+                end_stage(marks, d2h)
                 self._stored[k].record(d2h)
             issue(k)
 
@@ -338,39 +338,9 @@ class StreamScheduler:
             marks = self._mark(chunk, "load", h2d)
             for host, staged in self._staged(chunk)[1]:
                 staged.copy_(host, non_blocking=self.cuda)
-            self._end_mark(marks, h2d)
+            end_stage(marks, h2d)
             if h2d:
                 self._loaded[k].record(h2d)
 
     def _mark(self, chunk: int, stage: str, stream):
-        if self.timeline is None:
-            return None
-        if not self.cuda:
-            self.timeline.append([chunk, stage, time.perf_counter(), None])
-            return self.timeline[-1]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        self.timeline.append((chunk, stage, start, end))
-        return end
-
-    def _end_mark(self, end, stream) -> None:
-        if end is None:
-            return
-        if self.cuda:
-            end.record(stream)
-        else:
-            end[3] = time.perf_counter()
-
-    def timeline_rows(self, marks: list) -> list[dict]:
-        """``timeline`` marks as rows of ms from the earliest start (synchronize first)."""
-        if not marks:
-            return []
-        if self.cuda:
-            ref = marks[0][2]
-            rows = [(c, s, ref.elapsed_time(a), ref.elapsed_time(b)) for c, s, a, b in marks]
-        else:
-            rows = [(c, s, a * 1e3, b * 1e3) for c, s, a, b in marks]
-        t0 = min(r[2] for r in rows)
-        return [
-            {"chunk": c, "stage": s, "start_ms": a - t0, "end_ms": b - t0} for c, s, a, b in rows
-        ]
+        return start_stage(self.timeline, chunk, stage, stream, self.cuda)
