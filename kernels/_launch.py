@@ -179,6 +179,8 @@ class Tuner:
             return interpreter_config
         if not autotune_enabled() and not force:
             return configs[0]
+        if len(configs) == 1 and not (force or self.retune):
+            return configs[0]  # nothing to choose: neither timed nor compiled for a timing
         fast_key = (device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), kernel, key)
         fast = self._chosen.get(fast_key)  # no string building: this runs per launch
         if fast is not None and not (force or self.retune):

@@ -38,7 +38,7 @@ from ._tma import tma_enabled, tma_layout
 from ._triton import tl, triton
 from .gram_tma import _epilogue, _launch_tma, _lower_tile, epilogue_args
 from .normalize import NormScale, norm_scale_arg, normalize_scale
-from .shape_classes import fitting, shape_class
+from .shape_classes import fitting, shape_class, worth_timing
 
 # ``block``: the square output tile's side; ``chunk``: the K step of each tile's loop.
 # Square tiles so that a tile and its mirror image are both whole tiles. 256-wide tiles
@@ -263,7 +263,10 @@ def sym_gram(
     configs = fitting(GRAM_CONFIGS if tma else GRAM_POINTER_CONFIGS, m_class)
     w = x if w is None else w
     # Every candidate inside compiling_ahead (``Tuner.choices``): x's sizes, not the class's.
-    for config in TUNER.choices("sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, bench):
+    timing = bench if worth_timing(m_class, m_class) else None
+    for config in TUNER.choices(
+        "sym_gram", key, configs, GRAM_INTERPRETER_CONFIG, x.device, timing
+    ):
         _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config, scale)
     return out
 

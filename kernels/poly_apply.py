@@ -44,7 +44,7 @@ from .poly_apply_tma import (
     apply_kernel_args,
     epilogue_args,
 )
-from .shape_classes import fitting, shape_class
+from .shape_classes import fitting, shape_class, worth_timing
 
 # ``block_m`` x ``block``: the output tile (rows x columns); ``chunk``: the K step (over M).
 # Measured on the H200 (bench/orthogonalize.py and a sweep, 2026-11-29): 128 x 256 tiles with
@@ -301,7 +301,12 @@ def poly_apply(
     # Every candidate inside compiling_ahead (``Tuner.choices``): the fused apply is a variant
     # of its own, which the bench never launches.
     for config in TUNER.choices(
-        "poly_apply", key, configs, POLY_APPLY_INTERPRETER_CONFIG, x.device, bench
+        "poly_apply",
+        key,
+        configs,
+        POLY_APPLY_INTERPRETER_CONFIG,
+        x.device,
+        bench if worth_timing(m_class, n_class) else None,
     ):
         _launch(poly, x, x if out is None else out, float(alpha), config, scale, apply)
     return out

@@ -46,3 +46,16 @@ def fitting(configs: Sequence[Config], rows: int, cols: int | None = None) -> tu
         return kept
     smallest = min((c.block_m or c.block) * c.block for c in configs)
     return tuple(c for c in configs if (c.block_m or c.block) * c.block == smallest)
+
+
+# The smallest tile side of the products' candidates.
+SMALLEST_TILE = 64
+
+
+def worth_timing(rows: int, cols: int) -> bool:
+    """Whether a product whose output covers ``rows`` x ``cols`` (classes) is worth timing:
+    not when one smallest tile covers it. Then each matrix is one program whatever the
+    candidate, which differ only in the inner loop's step and warps (microseconds either
+    way), and the first fitting candidate is taken untimed, as with tuning off: no timing and
+    no compile of the other candidates on a first step."""
+    return rows > SMALLEST_TILE or cols > SMALLEST_TILE

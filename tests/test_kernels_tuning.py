@@ -247,3 +247,52 @@ def test_shipped_tables_name_todays_candidates():
     for path in tables:
         for name, entry in json.loads(path.read_text()).items():
             assert _launch.Config(**entry["config"]) in offered, (path.name, name)
+
+
+def test_a_single_candidate_is_taken_untimed_unless_retuning(monkeypatch, tmp_path):
+    """One candidate leaves nothing to choose: no timing, and inside the compile pass no
+    scratch launch compiled for one; ``muon-offload tune`` (retuning) still times it."""
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    only = (_launch.Config(block=256),)
+    timed = []
+
+    def bench(config):
+        timed.append(config)
+        return 1.0
+
+    dev = torch.device("cuda")
+    assert tuner.choose("k", ("x",), only, only[0], dev, bench) == only[0]
+    _launch.AHEAD.on = True
+    try:
+        assert tuner.choices("k", ("y",), only, only[0], dev, bench) == only
+    finally:
+        _launch.AHEAD.on = False
+    assert timed == [] and not (tmp_path / "t.json").exists()
+    tuner.retune = True
+    assert tuner.choose("k", ("x",), only, only[0], dev, bench) == only[0]
+    assert timed == list(only)
+
+
+def test_a_product_one_smallest_tile_covers_is_not_timed(monkeypatch):
+    """The products' keys whose output one smallest tile covers get no timing (each matrix
+    one program whatever the tiles): the launcher hands the tuner no bench; larger ones do."""
+    from muon_offload.kernels import gram, poly_apply
+
+    benches = {}
+
+    def choose(kernel, key, configs, interpreter_config, device, bench, force=False):
+        benches[(kernel, *key[2:4])] = bench is not None
+        return interpreter_config
+
+    monkeypatch.setattr(_launch.TUNER, "choose", choose)
+    monkeypatch.setattr(_launch, "interpreted", lambda: False)
+    monkeypatch.setattr(gram, "_launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(poly_apply, "_launch", lambda *args, **kwargs: None)
+    for m, k in ((17, 4097), (64, 64), (65, 64), (300, 40)):
+        x = torch.randn(2, m, k)
+        gram.sym_gram(x)
+        poly_apply.poly_apply(torch.randn(2, m, m), x, alpha=0.5)
+    assert not benches["sym_gram", 32, 8192] and not benches["sym_gram", 64, 64]
+    assert benches["sym_gram", 128, 64] and benches["sym_gram", 384, 64]
+    assert not benches["poly_apply", 64, 64]
+    assert benches["poly_apply", 32, 8192] and benches["poly_apply", 128, 64]
