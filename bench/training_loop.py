@@ -57,7 +57,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from training_loop_report import environment, summary, table  # noqa: E402
+from training_loop_report import eager_lines, environment, summary, table  # noqa: E402
 from transformers_step import MODEL as DENSE  # noqa: E402
 from transformers_step import TINY_MODEL as TINY_DENSE  # noqa: E402
 from transformers_step import (  # noqa: E402
@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, model in result["models"].items():
         print(f"\n{kind} ({model['model']['parameters']:,} parameters)")
         print(table(model["modes"]))
+        print("\n".join(eager_lines(model["modes"], EAGER)))
     return 0
 
 

@@ -18,6 +18,10 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
 def row(copy) -> dict:
     """One mode's figures; step columns None for ``no_step``, memory None on the CPU."""
     opt = copy.opt
@@ -29,6 +33,7 @@ def row(copy) -> dict:
         "max_iter_s": max(copy.iter_s),
         "median_step_ms": median(copy.step_ms),
         "median_host_ms": median(copy.host_ms),
+        "host_over_step": ratio(median(copy.host_ms), median(copy.step_ms)),
         "first_step_s": copy.first_step["s"] if copy.first_step else None,
         "first_step_host_s": copy.first_step["host_s"] if copy.first_step else None,
         "graph": stats() if stats else None,
@@ -111,6 +116,23 @@ def table(rows: dict) -> str:
             + " |"
         )
     return "\n".join(lines)
+
+
+def eager_lines(rows: dict, twins: dict[str, str]) -> list[str]:
+    """For each eager mode run (``twins``: eager mode -> its graphed one), the host time to
+    issue its step against the step's GPU time (on the CPU, its host time: a ratio of 1)."""
+    lines = []
+    for name, twin in twins.items():
+        r = rows.get(name, {})
+        if r.get("host_over_step") is None:
+            continue
+        graphed = rows.get(twin, {}).get("median_host_ms")
+        lines.append(
+            f"{name}: host {r['median_host_ms']:.2f} ms to issue a step of "
+            f"{r['median_step_ms']:.2f} ms on the device: {r['host_over_step']:.0%} "
+            f"(graphed, {twin}: host {fmt(graphed, '.2f')} ms)"
+        )
+    return lines
 
 
 def environment(args, dion, argv: list[str]) -> dict:

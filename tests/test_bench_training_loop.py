@@ -117,3 +117,9 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
     table = stdout.split(f"\n{kind} (")[1].split("\n\n")[0]
     for name in MODES:
         assert f"| {name} " in table
+    # On the CPU the step's time is the host's: each eager figure reads 100%.
+    for eager, graphed in EAGER.items():
+        row = rows[eager]
+        assert row["host_over_step"] == row["median_host_ms"] / row["median_step_ms"] == 1.0
+        assert f"\n{eager}: host {row['median_host_ms']:.2f} ms" in table
+        assert f"(graphed, {graphed}: host " in table
