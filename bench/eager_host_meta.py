@@ -1,0 +1,178 @@
+"""The host side of an eager ``step()`` (``cuda_graph=False``) of bench/training_loop.py's
+full-size models, without a GPU: the models on meta tensors, ``backend="triton"``, inside
+``kernels.tuning.recording_keys`` (every Triton launch taken to its launcher's call and
+skipped, the CUDA paths taken), as bench/tuning_keys.py runs a first step.
+
+    PYTHONPATH=. python bench/eager_host_meta.py --models moe dense [--steps 5] [--profile]
+
+For each model and mode (resident, offloaded int8 and fp32: training_loop.py's ``OURS``, the
+offloaded ones as ``tuning_keys.as_streamed``: their chunks and launches, without the host
+copies) it prints the median wall milliseconds of a steady step (after two), the Triton
+launches and the aten ops a step issues (each a kernel launch, a copy or a view on a GPU), and
+the Python time around torch's own calls. An estimate of the step's host time on a GPU adds a
+cost per launch to the Python: ``--launch-us`` per Triton launch, ``--op-us`` per aten op
+(meta ops cost what their shape functions do, not a CUDA launch, so they are not timed here).
+Host figures of this machine: nothing here is a GPU measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from collections import Counter
+from types import SimpleNamespace
+
+import torch
+from muon_offload.kernels import tuning
+from torch.utils._python_dispatch import TorchDispatchMode
+from training_loop import MODELS, OURS, config
+from transformers_step import MUON_LR, bench_groups, build_model
+from tuning_keys import as_streamed
+
+from muon_offload import Muon
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counted_launches():
+    """Within ``recording_keys``: a Counter of the Triton kernels launched (by name)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches: Counter = Counter()
+    saved = [(c, c.run) for c in (JITFunction, InterpretedFunction)]
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches[getattr(self, "__name__", None) or self.fn.__name__] += 1
+        return None
+
+    for cls, _ in saved:
+        cls.run = run
+    try:
+        yield launches
+    finally:
+        for cls, original in saved:
+            cls.run = original
+
+
+def _builtin(key) -> bool:
+    return key[0] == "~"
+
+
+def _kernels_file(key) -> bool:
+    return "/kernels/" in key[0] or "/triton/" in key[0]
+
+
+def _in_kernels(stats: dict) -> float:
+    """Seconds spent in the launchers of ``kernels/`` and in Triton (all they call included):
+    the cumulative time of each of their functions as called from outside them."""
+    return sum(
+        timing[3]
+        for key, (_, _, _, _, callers) in stats.items()
+        if _kernels_file(key)
+        for caller, timing in callers.items()
+        if not _kernels_file(caller)
+    )
+
+
+def measure(model, settings: dict, steps: int, profile: bool) -> dict:
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = Muon(bench_groups(model), lr=MUON_LR, backend="triton", cuda_graph=False, **settings)
+    with tuning.recording_keys(), counted_launches() as launches:
+        for _ in range(2):  # first-step work: plans, tables, caches
+            opt.step()
+        # Each key is recorded: from here a tuned launch takes its first candidate without
+        # building the key's name, as the tuner's dictionary of this process's choices does.
+        tuning.TUNER.choose = lambda kernel, key, configs, *args, **kwargs: configs[0]
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        launches.clear()
+        with OpCounter() as counter:
+            opt.step()
+        row = {
+            "wall_ms": statistics.median(times) * 1e3,
+            "min_ms": min(times) * 1e3,
+            "triton_launches": sum(launches.values()),
+            "launches_by_kernel": dict(launches.most_common()),
+            "aten_ops": sum(counter.ops.values()),
+            "ops_by_name": dict(counter.ops.most_common(12)),
+        }
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            opt.step()
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    total = sum(v[2] for v in stats.values()) / steps
+    builtin = sum(v[2] for k, v in stats.items() if _builtin(k)) / steps
+    row["python_share"] = (total - builtin) / total if total else 0.0
+    row["kernels_share"] = _in_kernels(stats) / steps / total if total else 0.0
+    row["python_calls"] = sum(v[1] for v in stats.values()) / steps
+    if profile:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return row
+
+
+def run(kind: str, mode: str, layers: int | None, steps: int, profile: bool = False) -> dict:
+    """``measure`` of training_loop.py's ``kind`` model (``layers`` of it; None: all) on meta
+    tensors, with the settings of ``mode`` (``OURS``)."""
+    cfg = config(kind, SimpleNamespace(tiny=False, layers=layers, seq=1024))
+    model = build_model(cfg, 0, torch.device("meta"), torch.float32)
+    return measure(model, as_streamed(OURS[mode]), steps, profile)
+
+
+def estimate(row: dict, launch_us: float, op_us: float) -> float:
+    """Host ms on a GPU: this machine's Python around the calls (its fastest step: the host
+    is shared), plus a cost per launch."""
+    python = row["min_ms"] * row["python_share"]
+    return python + (row["triton_launches"] * launch_us + row["aten_ops"] * op_us) / 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser("eager_host_meta.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--modes", nargs="+", choices=list(OURS), default=list(OURS))
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--launch-us", type=float, default=20.0, help="host us a Triton launch")
+    ap.add_argument("--op-us", type=float, default=5.0, help="host us an aten op")
+    ap.add_argument("--profile", action="store_true", help="print cProfile's top functions")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    for kind in args.models:
+        for mode in args.modes:
+            row = run(kind, mode, args.layers, args.steps, args.profile)
+            print(
+                f"{kind} {mode}: {row['wall_ms']:.2f} ms/step here (min {row['min_ms']:.2f}; "
+                f"{row['python_share']:.0%} "
+                f"Python, {row['python_calls']:.0f} calls; {row['kernels_share']:.0%} in "
+                f"kernels/ and Triton), {row['triton_launches']} Triton "
+                f"launches, {row['aten_ops']} aten ops; estimate "
+                f"{estimate(row, args.launch_us, args.op_us):.1f} ms on a GPU host",
+                flush=True,
+            )
+            print(f"  launches: {row['launches_by_kernel']}")
+            print(f"  ops: {row['ops_by_name']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""bench/eager_host_meta.py on the CPU: an eager step of one full-width layer of
+training_loop.py's MoE model on meta tensors, its Triton launches counted (none run) and its
+host time estimated."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason='needs transformers: pip install -e ".[hf]"')
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+# The bench scripts set TORCHDYNAMO_DISABLE at import, for their own runs: this process keeps
+# its own setting (as tests/test_bench_tuning_keys.py does).
+_DYNAMO_ENV = os.environ.get("TORCHDYNAMO_DISABLE")
+import eager_host_meta  # noqa: E402
+
+if _DYNAMO_ENV is None:
+    os.environ.pop("TORCHDYNAMO_DISABLE", None)
+else:
+    os.environ["TORCHDYNAMO_DISABLE"] = _DYNAMO_ENV
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {m: eager_host_meta.run("moe", m, 1, 1) for m in ("ours_resident", "ours_offload_int8")}
+
+
+def test_launches_follow_the_state_format(rows):
+    resident, int8 = (
+        rows["ours_resident"]["launches_by_kernel"],
+        rows["ours_offload_int8"]["launches_by_kernel"],
+    )
+    assert resident.get("_muon_prep_kernel", 0) > 0 and "_prep8_kernel" not in resident
+    assert int8.get("_prep8_kernel", 0) > 0 and "_muon_prep_kernel" not in int8
+    for row in rows.values():
+        assert row["triton_launches"] == sum(row["launches_by_kernel"].values())
+        assert row["aten_ops"] > 0 and 0 < row["python_share"] <= 1
+        assert 0 < row["min_ms"] <= row["wall_ms"]
+
+
+def test_streamed_chunks_cut_no_fewer_units(rows):
+    # The streamed chunks' budget (128 MiB) is below the resident one's (512 MiB): the same
+    # matrices in no fewer units, so no fewer Muon preps.
+    resident = rows["ours_resident"]["launches_by_kernel"]["_muon_prep_kernel"]
+    assert rows["ours_offload_int8"]["launches_by_kernel"]["_prep8_kernel"] >= resident
+
+
+def test_estimate_adds_the_launch_costs(rows):
+    row = rows["ours_resident"]
+    python = row["min_ms"] * row["python_share"]
+    assert eager_host_meta.estimate(row, 0.0, 0.0) == pytest.approx(python)
+    more = eager_host_meta.estimate(row, 10.0, 2.0) - python
+    assert more == pytest.approx((10.0 * row["triton_launches"] + 2.0 * row["aten_ops"]) / 1e3)
