@@ -7,12 +7,15 @@ skipped, the CUDA paths taken), as bench/tuning_keys.py runs a first step.
 
 For each model and mode (resident, offloaded int8 and fp32: training_loop.py's ``OURS``, the
 offloaded ones as ``tuning_keys.as_streamed``: their chunks and launches, without the host
-copies) it prints the median wall milliseconds of a steady step (after two), the Triton
-launches and the aten ops a step issues (each a kernel launch, a copy or a view on a GPU), and
-the Python time around torch's own calls. An estimate of the step's host time on a GPU adds a
-cost per launch to the Python: ``--launch-us`` per Triton launch, ``--op-us`` per aten op
-(meta ops cost what their shape functions do, not a CUDA launch, so they are not timed here).
-Host figures of this machine: nothing here is a GPU measurement.
+copies) it prints the median and fastest wall milliseconds of a steady step (after four: the
+last two with the configs the H200's shipped table gives, so the products take the TMA
+kernels and their descriptors where a card would), the Triton launches and the aten ops a
+step issues (each a kernel launch, a copy or a view on a GPU), the Python share of the time
+(outside torch's own calls) and the share under the launchers of ``kernels/`` and Triton.
+An estimate of the step's host time on a GPU adds a cost per launch to the fastest step's
+Python: ``--launch-us`` per Triton launch, ``--op-us`` per aten op (meta ops cost what their
+shape functions do, not a CUDA launch, so they are not timed here). Host figures of this
+machine: nothing here is a GPU measurement; training_loop.py's ``*_eager`` modes measure it.
 """
 
 from __future__ import annotations
@@ -20,19 +23,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import json
 import pstats
 import statistics
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from muon_offload.kernels import tuning
+from muon_offload.kernels.config import Config
 from torch.utils._python_dispatch import TorchDispatchMode
 from training_loop import MODELS, OURS, config
 from transformers_step import MUON_LR, bench_groups, build_model
-from tuning_keys import as_streamed
+from tuning_keys import TABLE, as_streamed
 
 from muon_offload import Muon
 
@@ -69,6 +75,25 @@ def counted_launches():
             cls.run = original
 
 
+def shipped_choices(table: str):
+    """A tuner's ``choose`` that takes each key's config from the shipped ``table``
+    (``kernels/tuned/``) as a GPU whose cache lacks it does (the first candidate where the
+    table decides nothing), then from a dictionary, as the tuner's choices of the process."""
+    entries = json.loads((Path(tuning.__file__).parent / "tuned" / table).read_text())
+    chosen: dict = {}
+
+    def choose(kernel, key, configs, *args, **kwargs):
+        config = chosen.get((kernel, key))
+        if config is None:
+            name = f"{kernel}|" + "|".join(str(k) for k in key)
+            _, source = tuning.shipped_decision(table, name, configs)
+            config = Config(**entries[source]["config"]) if source else configs[0]
+            chosen[kernel, key] = config
+        return config
+
+    return choose
+
+
 def _builtin(key) -> bool:
     return key[0] == "~"
 
@@ -79,26 +104,27 @@ def _kernels_file(key) -> bool:
 
 def _in_kernels(stats: dict) -> float:
     """Seconds spent in the launchers of ``kernels/`` and in Triton (all they call included):
-    the cumulative time of each of their functions as called from outside them."""
+    the cumulative time of each of their functions as the package's engine and algorithms
+    call it."""
     return sum(
         timing[3]
         for key, (_, _, _, _, callers) in stats.items()
         if _kernels_file(key)
         for caller, timing in callers.items()
-        if not _kernels_file(caller)
+        if "/muon_offload/" in caller[0]
     )
 
 
-def measure(model, settings: dict, steps: int, profile: bool) -> dict:
+def measure(model, settings: dict, steps: int, profile: bool, table: str = TABLE) -> dict:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt = Muon(bench_groups(model), lr=MUON_LR, backend="triton", cuda_graph=False, **settings)
     with tuning.recording_keys(), counted_launches() as launches:
         for _ in range(2):  # first-step work: plans, tables, caches
             opt.step()
-        # Each key is recorded: from here a tuned launch takes its first candidate without
-        # building the key's name, as the tuner's dictionary of this process's choices does.
-        tuning.TUNER.choose = lambda kernel, key, configs, *args, **kwargs: configs[0]
+        tuning.TUNER.choose = shipped_choices(table)
+        for _ in range(2):  # the configs the card's table gives (TMA products: descriptors)
+            opt.step()
         times = []
         for _ in range(steps):
             start = time.perf_counter()
