@@ -126,16 +126,36 @@ def _lion_hyper(scalars):
 
 
 @triton.jit
-def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, hyper, CAUTIOUS: tl.constexpr):
+def _adamw_step(p, g, m, v, hyper, CAUTIOUS: tl.constexpr):
+    """One AdamW step on fp32 values -> (p, m, v): the rule of the fp32 and the 8-bit kernels
+    (quantized_elementwise.py), whatever their state is stored as."""
     w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = hyper
-    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
     m = _lerp(m, g, w1)
     v = v * beta2 + (g * g) * omb2
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = _decayed(p, m, decay, CAUTIOUS) - step_size * tl.div_rn(m, denom)
+    return p, m, v
+
+
+@triton.jit
+def _lion_step(p, g, m, hyper, CAUTIOUS: tl.constexpr):
+    """One Lion step on fp32 values -> (p, m), as ``_adamw_step``."""
+    w1, w2, decay, lr = hyper
+    u = _lerp(m, g, w1)
+    sign = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
+    sign = tl.where(u != u, u, sign)  # NaN stays NaN, as torch.sign
+    m = _lerp(m, g, w2)
+    p = _decayed(p, sign, decay, CAUTIOUS) - lr * sign
+    return p, m
+
+
+@triton.jit
+def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, hyper, CAUTIOUS: tl.constexpr):
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+    p, m, v = _adamw_step(p, g, m, v, hyper, CAUTIOUS)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -170,15 +190,10 @@ def _adamw_kernel(
 
 @triton.jit
 def _lion_tile(p_ptr, g_ptr, m_ptr, offs, mask, hyper, CAUTIOUS: tl.constexpr):
-    w1, w2, decay, lr = hyper
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-    u = _lerp(m, g, w1)
-    sign = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
-    sign = tl.where(u != u, u, sign)  # NaN stays NaN, as torch.sign
-    m = _lerp(m, g, w2)
-    p = _decayed(p, sign, decay, CAUTIOUS) - lr * sign
+    p, m = _lion_step(p, g, m, hyper, CAUTIOUS)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 

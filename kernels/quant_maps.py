@@ -162,6 +162,46 @@ def _encode(
     return c.to(CODE), scales
 
 
+@triton.jit
+def _load_state(
+    c_ptr,
+    s_ptr,
+    offs,
+    i_b,
+    mask,
+    bmask,
+    MASKED: tl.constexpr,
+    POWER: tl.constexpr,
+    INV_CMAX: tl.constexpr,
+):
+    """A tile of an 8-bit state, decoded to fp32: codes at ``offs``, the blocks' scales at
+    ``i_b`` (``_block_tile``'s)."""
+    codes = _ld(c_ptr + offs, mask, MASKED)
+    return _decode(codes, _ld(s_ptr + i_b, bmask, MASKED), POWER, INV_CMAX)
+
+
+@triton.jit
+def _store_state(
+    x,
+    c_ptr,
+    s_ptr,
+    offs,
+    i_b,
+    col,
+    mask,
+    bmask,
+    POWER: tl.constexpr,
+    CMAX: tl.constexpr,
+    INV_CMAX: tl.constexpr,
+    SIGNED: tl.constexpr,
+    SALT: tl.constexpr,
+):
+    """``_load_state``'s inverse: x encoded (codes of c_ptr's dtype) and stored with its scales."""
+    codes, scales = _encode(x, col, POWER, CMAX, INV_CMAX, SIGNED, SALT, c_ptr.dtype.element_ty)
+    tl.store(c_ptr + offs, codes, mask=mask)
+    tl.store(s_ptr + i_b, scales, mask=bmask)
+
+
 # ----------------------------------------------------------------------------- torch
 
 

@@ -31,10 +31,10 @@ from ._launch import (
 from ._triton import tl, triton
 from .elementwise import (
     _adamw_hyper,
-    _decayed,
+    _adamw_step,
     _launch_group,
-    _lerp,
     _lion_hyper,
+    _lion_step,
     _on,
     _segment,
     _typed,
@@ -50,9 +50,9 @@ from .quant_maps import (
     _SALT_V,
     QBLOCK,
     _block_tile,
-    _decode,
-    _encode,
     _ld,
+    _load_state,
+    _store_state,
     check_segments,
 )
 
@@ -77,6 +77,14 @@ INTERPRETER_CONFIG = Config(block=2 * QBLOCK, chunk=4 * QBLOCK, num_warps=4)
 
 
 @triton.jit
+def _state_ptrs(row, index, CODE: tl.constexpr, start, ALIGNED: tl.constexpr):
+    """An 8-bit state's codes and scales pointers at element ``start`` (a multiple of QBLOCK):
+    entries ``index`` and ``index + 1`` of a pointer-table row."""
+    codes = _typed(row, index, CODE, start, ALIGNED)
+    return codes, _typed(row, index + 1, tl.float32, start // _QB, False)
+
+
+@triton.jit
 def _adamw8_tile(
     p_ptr,
     g_ptr,
@@ -91,25 +99,17 @@ def _adamw8_tile(
     MASKED: tl.constexpr,
     CAUTIOUS: tl.constexpr,
 ):
-    w1, beta2, omb2, eps, decay, step_size, bc2_sqrt = hyper
     offs, i_b, col = _block_tile(start, BLOCK)
     mask = offs < count if MASKED else None
     bmask = i_b * _QB < count if MASKED else None
     p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
-    m = _decode(_ld(mc_ptr + offs, mask, MASKED), _ld(ms_ptr + i_b, bmask, MASKED), 4, _INV127)
-    v = _decode(_ld(vc_ptr + offs, mask, MASKED), _ld(vs_ptr + i_b, bmask, MASKED), 4, _INV255)
-    m = _lerp(m, g, w1)
-    v = v * beta2 + (g * g) * omb2
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = _decayed(p, m, decay, CAUTIOUS) - step_size * tl.div_rn(m, denom)
+    m = _load_state(mc_ptr, ms_ptr, offs, i_b, mask, bmask, MASKED, 4, _INV127)
+    v = _load_state(vc_ptr, vs_ptr, offs, i_b, mask, bmask, MASKED, 4, _INV255)
+    p, m, v = _adamw_step(p, g, m, v, hyper, CAUTIOUS)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    codes, scales = _encode(m, col, 4, 127, _INV127, True, _SALT_M, tl.int8)
-    tl.store(mc_ptr + offs, codes, mask=mask)
-    tl.store(ms_ptr + i_b, scales, mask=bmask)
-    codes, scales = _encode(v, col, 4, 255, _INV255, False, _SALT_V, tl.uint8)
-    tl.store(vc_ptr + offs, codes, mask=mask)
-    tl.store(vs_ptr + i_b, scales, mask=bmask)
+    _store_state(m, mc_ptr, ms_ptr, offs, i_b, col, mask, bmask, 4, 127, _INV127, True, _SALT_M)
+    _store_state(v, vc_ptr, vs_ptr, offs, i_b, col, mask, bmask, 4, 255, _INV255, False, _SALT_V)
 
 
 @triton.jit
@@ -125,10 +125,8 @@ def _adamw8_kernel(
 ):
     # start: a multiple of the chunk, so of QBLOCK
     row, start, count, p_ptr, g_ptr = _segment(table, grads, 8, P_DTYPE, G_DTYPE, ALIGNED)
-    mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
-    ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
-    vc_ptr = _typed(row, 4, tl.uint8, start, ALIGNED)
-    vs_ptr = _typed(row, 5, tl.float32, start // _QB, False)
+    mc_ptr, ms_ptr = _state_ptrs(row, 2, tl.int8, start, ALIGNED)
+    vc_ptr, vs_ptr = _state_ptrs(row, 4, tl.uint8, start, ALIGNED)
     hyper = _adamw_hyper(scalars)
     n_full = count // BLOCK
     ptrs = (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr)
@@ -151,22 +149,15 @@ def _lion8_tile(
     MASKED: tl.constexpr,
     CAUTIOUS: tl.constexpr,
 ):
-    w1, w2, decay, lr = hyper
     offs, i_b, col = _block_tile(start, BLOCK)
     mask = offs < count if MASKED else None
     bmask = i_b * _QB < count if MASKED else None
     p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
-    m = _decode(_ld(mc_ptr + offs, mask, MASKED), _ld(ms_ptr + i_b, bmask, MASKED), 2, _INV127)
-    u = _lerp(m, g, w1)
-    sign = tl.where(u > 0, 1.0, tl.where(u < 0, -1.0, 0.0))
-    sign = tl.where(u != u, u, sign)  # NaN stays NaN, as torch.sign
-    m = _lerp(m, g, w2)
-    p = _decayed(p, sign, decay, CAUTIOUS) - lr * sign
+    m = _load_state(mc_ptr, ms_ptr, offs, i_b, mask, bmask, MASKED, 2, _INV127)
+    p, m = _lion_step(p, g, m, hyper, CAUTIOUS)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    codes, scales = _encode(m, col, 2, 127, _INV127, True, _SALT_M, tl.int8)
-    tl.store(mc_ptr + offs, codes, mask=mask)
-    tl.store(ms_ptr + i_b, scales, mask=bmask)
+    _store_state(m, mc_ptr, ms_ptr, offs, i_b, col, mask, bmask, 2, 127, _INV127, True, _SALT_M)
 
 
 @triton.jit
@@ -181,8 +172,7 @@ def _lion8_kernel(
     CAUTIOUS: tl.constexpr,  # dion's cautious_wd (elementwise.py's ``_decayed``)
 ):
     row, start, count, p_ptr, g_ptr = _segment(table, grads, 6, P_DTYPE, G_DTYPE, ALIGNED)
-    mc_ptr = _typed(row, 2, tl.int8, start, ALIGNED)
-    ms_ptr = _typed(row, 3, tl.float32, start // _QB, False)
+    mc_ptr, ms_ptr = _state_ptrs(row, 2, tl.int8, start, ALIGNED)
     hyper = _lion_hyper(scalars)
     n_full = count // BLOCK
     ptrs = (p_ptr, g_ptr, mc_ptr, ms_ptr)

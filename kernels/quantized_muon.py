@@ -34,13 +34,14 @@ from .quant_maps import (
     MAPS,
     QBLOCK,
     _block_tile,
-    _decode,
     _decode_ref,
-    _encode,
     _encode_ref,
     _ld,
+    _load_state,
+    _store_state,
     check_segments,
 )
+from .quantized_elementwise import _state_ptrs
 
 PREP_CONFIGS = (
     Config(block=2048, chunk=32768, num_warps=8),
@@ -74,14 +75,12 @@ def _prep8_tile(
     mask = offs < count if MASKED else None
     bmask = i_b * _QB < count if MASKED else None
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
-    m = _decode(_ld(mc_ptr + offs, mask, MASKED), _ld(ms_ptr + i_b, bmask, MASKED), 2, _INV127)
+    m = _load_state(mc_ptr, ms_ptr, offs, i_b, mask, bmask, MASKED, 2, _INV127)
     m = m * mu + g
     u = m * mu + g if NESTEROV else m
     u = u.to(u_ptr.dtype.element_ty)
     tl.store(u_ptr + offs, u, mask=mask)
-    codes, scales = _encode(m, col, 2, 127, _INV127, True, _SALT_M, tl.int8)
-    tl.store(mc_ptr + offs, codes, mask=mask)
-    tl.store(ms_ptr + i_b, scales, mask=bmask)
+    _store_state(m, mc_ptr, ms_ptr, offs, i_b, col, mask, bmask, 2, 127, _INV127, True, _SALT_M)
     u = u.to(tl.float32)
     return tl.sum(u * u, axis=1)  # masked elements are 0
 
@@ -105,8 +104,7 @@ def _prep8_kernel(
     i_m = tl.program_id(1).to(tl.int64)
     row = table + i_m * 3
     start = i_c * CHUNK
-    mc_ptr = _typed(row, 0, tl.int8, start, ALIGNED)
-    ms_ptr = _typed(row, 1, tl.float32, start // _QB, False)
+    mc_ptr, ms_ptr = _state_ptrs(row, 0, tl.int8, start, ALIGNED)
     g_ptr = _typed(grads, tl.load(row + 2), G_DTYPE, start, ALIGNED)  # a row of grads
     u_ptr = out + i_m * numel + start
     count = tl.minimum(numel - start, CHUNK)
