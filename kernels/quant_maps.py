@@ -272,6 +272,13 @@ def quantize(x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     return _encode_ref(x, MAPS[kind])
 
 
+def requantize_(codes: Tensor, scales: Tensor, x: Tensor, kind: str) -> None:
+    """``quantize`` x into existing codes and scales: the references' store of a new state."""
+    c, s = quantize(x, kind)
+    codes.copy_(c)
+    scales.copy_(s)
+
+
 def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
     """(codes, scales) -> float32 state shaped as codes; the inverse of ``quantize``."""
     if scales.numel() != -(-codes.numel() // QBLOCK):

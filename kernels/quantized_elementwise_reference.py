@@ -17,7 +17,7 @@ from .elementwise_reference import (
     cautious_decay,
     lion_scalars,
 )
-from .quant_maps import MAPS, _decode_ref, _encode_ref
+from .quant_maps import MAPS, _decode_ref, requantize_
 
 if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
     from typing_extensions import Unpack
@@ -29,12 +29,6 @@ def _lerp_ref(start: Tensor, end: Tensor, weight: float) -> Tensor:
     if weight < 0.5:
         return start + weight * diff
     return end - diff * (1.0 - weight)
-
-
-def _store(codes: Tensor, scales: Tensor, x: Tensor, kind: str) -> None:
-    c, s = _encode_ref(x, MAPS[kind])
-    codes.copy_(c)
-    scales.copy_(s)
 
 
 def adamw8_reference_(
@@ -63,8 +57,8 @@ def adamw8_reference_(
         p32 = p.float()
         factor = cautious_decay(m, p32, decay) if cautious_wd else decay
         p.copy_(p32 * factor - step_size * (m / denom))
-        _store(mc, ms, m, "adam_m")
-        _store(vc, vs, v, "adam_v")
+        requantize_(mc, ms, m, "adam_m")
+        requantize_(vc, vs, v, "adam_v")
 
 
 def lion8_reference_(
@@ -86,4 +80,4 @@ def lion8_reference_(
         p32 = p.float()
         factor = cautious_decay(update, p32, decay) if cautious_wd else decay
         p.copy_(p32 * factor - lr * update)
-        _store(mc, ms, m, "momentum")
+        requantize_(mc, ms, m, "momentum")

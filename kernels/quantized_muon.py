@@ -26,20 +26,19 @@ from ._launch import (
 )
 from ._triton import tl, triton
 from .elementwise import _typed
-from .muon import new_outputs, prep_outputs
+from .muon import muon_prep_reference, prep_outputs
 from .quant_maps import (
     _INV127,
     _QB,
     _SALT_M,
-    MAPS,
     QBLOCK,
     _block_tile,
-    _decode_ref,
-    _encode_ref,
     _ld,
     _load_state,
     _store_state,
     check_segments,
+    dequantize,
+    requantize_,
 )
 from .quantized_elementwise import _state_ptrs
 
@@ -240,15 +239,10 @@ def muon_prep8_reference(
     sumsq: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``muon_prep_reference`` on dequantized momentum, requantized after."""
-    batch = len(m_codes)
-    out, sumsq = new_outputs(batch, m_codes[0].shape, grads[0].device, out, sumsq)
-    for i, (mc, ms, g) in enumerate(zip(m_codes, m_scales, grads, strict=True)):
-        g32 = g.float()
-        m = _decode_ref(mc, ms, MAPS["momentum"]) * mu + g32
-        u = m * mu + g32 if nesterov else m
-        out[i].copy_(u)
-        sumsq[i] = out[i].float().square().sum()
-        c, s = _encode_ref(m, MAPS["momentum"])
-        mc.copy_(c)
-        ms.copy_(s)
+    pairs = list(zip(m_codes, m_scales, strict=True))
+    momentums = [dequantize(mc, ms, "momentum") for mc, ms in pairs]
+    kw = dict(mu=mu, nesterov=nesterov, out=out, sumsq=sumsq)
+    out, sumsq = muon_prep_reference(momentums, grads, **kw)
+    for (mc, ms), m in zip(pairs, momentums, strict=True):
+        requantize_(mc, ms, m, "momentum")
     return out, sumsq
