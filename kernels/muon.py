@@ -70,12 +70,19 @@ APPLY_INTERPRETER_CONFIG = Config(block=32, block_m=16, num_warps=4)
 
 
 @triton.jit
+def _momentum_step(m, g, mu, NESTEROV: tl.constexpr):
+    """dion's momentum rule on fp32 values -> (m, update): m = mu m + g, the update m or, with
+    NESTEROV, mu m + g (this kernel's and the 8-bit one's, quantized_muon.py)."""
+    m = m * mu + g
+    return m, m * mu + g if NESTEROV else m
+
+
+@triton.jit
 def _prep_tile(m_ptr, g_ptr, u_ptr, offs, mask, mu, NESTEROV: tl.constexpr):
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    m = m * mu + g
+    m, u = _momentum_step(m, g, mu, NESTEROV)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-    u = m * mu + g if NESTEROV else m
     u = u.to(u_ptr.dtype.element_ty)
     tl.store(u_ptr + offs, u, mask=mask)
     return u.to(tl.float32)

@@ -26,7 +26,7 @@ from ._launch import (
 )
 from ._triton import tl, triton
 from .elementwise import _typed
-from .muon import muon_prep_reference, prep_outputs
+from .muon import _momentum_step, muon_prep_reference, prep_outputs
 from .quant_maps import (
     _INV127,
     _QB,
@@ -75,8 +75,7 @@ def _prep8_tile(
     bmask = i_b * _QB < count if MASKED else None
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
     m = _load_state(mc_ptr, ms_ptr, offs, i_b, mask, bmask, MASKED, 2, _INV127)
-    m = m * mu + g
-    u = m * mu + g if NESTEROV else m
+    m, u = _momentum_step(m, g, mu, NESTEROV)
     u = u.to(u_ptr.dtype.element_ty)
     tl.store(u_ptr + offs, u, mask=mask)
     _store_state(m, mc_ptr, ms_ptr, offs, i_b, col, mask, bmask, 2, 127, _INV127, True, _SALT_M)
