@@ -9,6 +9,7 @@ never re-imported in it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pickle
 import sys
@@ -24,9 +25,27 @@ def compile_job(job: tuple) -> None:
     triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options)
 
 
+def warm() -> None:
+    """Import Triton's compiler and the kernel modules before the first job comes (about a
+    compile's time, torch's import the most of it): a pool started early has done it by then.
+    A module that fails to import fails its jobs, with the error, instead."""
+    import pkgutil
+
+    import triton.compiler  # noqa: F401
+
+    kernels = importlib.import_module("muon_offload.kernels")
+    for info in pkgutil.iter_modules(kernels.__path__):
+        try:
+            importlib.import_module(f"{kernels.__name__}.{info.name}")
+        except Exception:  # noqa: BLE001, S112 (its jobs raise it)
+            continue
+
+
 def main() -> None:
     jobs, replies = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # whatever a compile prints must not mix with the replies
+    with contextlib.suppress(Exception):  # each job imports what it needs, and raises
+        warm()
     while True:
         try:
             job = pickle.load(jobs)

@@ -61,7 +61,9 @@ def interpreted() -> bool:
 
 
 # This thread is inside ``precompile.compiling_ahead``: its launches only compile (``.on``);
-# ``.undecided``: the (kernel, key) that the tuner's last choice left to the step.
+# ``.undecided``: the (kernel, key) that the tuner's last choice left to the step; ``.pending``
+# (``precompile.compile_then_tune``): where ``choices`` leaves such keys to be timed after
+# the block, launching none of their candidates.
 AHEAD = threading.local()
 
 
@@ -238,11 +240,19 @@ class Tuner:
         """``choose``'s config (same arguments); inside ``compiling_ahead``, for a key left to
         the step, every candidate: the winner's launch there is the caller's variant, not the
         timing's (its sizes and alignment, a fused apply or flag the bench leaves out), so the
-        caller launches each in the block and whichever wins finds its binary compiled."""
+        caller launches each in the block and whichever wins finds its binary compiled. Inside
+        ``precompile.compile_then_tune``'s first block, none: the key is timed after it and
+        the winner alone launched (compiled) in its second."""
         AHEAD.undecided = None
         config = self.choose(kernel, key, configs, *args)
         undecided, AHEAD.undecided = AHEAD.undecided, None
-        return tuple(configs) if undecided == (kernel, key) else (config,)
+        if undecided != (kernel, key):
+            return (config,)
+        pending = getattr(AHEAD, "pending", None)
+        if pending is not None:  # ``precompile.compile_then_tune``: the winner's, after timing
+            pending.append((kernel, key, tuple(configs), *args))
+            return ()
+        return tuple(configs)
 
 
 TUNER = Tuner()

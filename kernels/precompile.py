@@ -13,6 +13,12 @@ options and environment, so the same cache key and the same binary. Processes, n
 triton 3.6's compile holds the GIL (eight variants took as long on two threads as on one;
 triton 3.9 releases it in part: 0.74 of the time).
 
+``compile_then_tune(device, run, what)`` is the pass a first step runs: ``run()`` in a block
+where a key the tuner must time compiles only its candidates' timing launches, the timing of
+those keys after it (on the card), then ``run()`` in a second block that compiles each winner's
+own launch, on the same worker processes. ``prestart(device)`` starts the processes early (an
+optimizer's construction), so that their start is off the first compile's path.
+
 The launches inside the block must go to scratch tensors with the shapes, dtypes, strides and
 alignment of the step's (the variant is read off them): their results are garbage. Only on
 CUDA, with a Triton that has ``AsyncCompileMode``, and unless ``MUON_OFFLOAD_PARALLEL_COMPILE=0``;
@@ -126,7 +132,9 @@ def _job(compile_fn: Callable) -> tuple | None:
 
 class Workers:
     """``count`` worker processes (``_compile_worker.py``), each fed one job at a time by a
-    thread of its own; each starts when its thread does, so they start in parallel."""
+    thread of its own; each process starts with its thread, so they start in parallel, and
+    imports Triton and the kernel modules before its first job comes (about as long as a
+    compile: off the first compile's path when the pool starts early, ``prestart``)."""
 
     def __init__(self, count: int, command: tuple = WORKER) -> None:
         self._jobs: queue.Queue = queue.Queue()
@@ -143,15 +151,21 @@ class Workers:
         self._jobs.put((job, future))
         return future
 
-    def _serve(self) -> None:
+    def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        proc = None
+        pipe = subprocess.PIPE
+        return subprocess.Popen(self._command, stdin=pipe, stdout=pipe, env=env)
+
+    def _serve(self) -> None:
+        try:
+            proc = self._start()
+        except OSError:  # started again for the first job, whose error it then is
+            proc = None
         while (item := self._jobs.get()) is not None:
             job, future = item
             try:
                 if proc is None:
-                    pipe = subprocess.PIPE
-                    proc = subprocess.Popen(self._command, stdin=pipe, stdout=pipe, env=env)
+                    proc = self._start()
                 pickle.dump(job, proc.stdin)
                 proc.stdin.flush()
                 future.set_result(pickle.load(proc.stdout))
@@ -175,10 +189,11 @@ class CompileExecutor(Executor):
     compile one at a time), then the closure runs on a thread here and finds the binary in
     the disk cache; a closure without a job runs on the thread as it is."""
 
-    def __init__(self, count: int, command: tuple = WORKER) -> None:
-        self.workers = Workers(count, command)
+    def __init__(self, count: int, command: tuple = WORKER, workers: Workers | None = None):
+        self.workers = Workers(count, command) if workers is None else workers
         self._threads = ThreadPoolExecutor(count, thread_name_prefix="muon-offload-load")
         self.submitted = 0  # compiles (variants) submitted
+        self.keep = False  # shutdown leaves the worker processes running (for another block)
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         self.submitted += 1
@@ -188,7 +203,8 @@ class CompileExecutor(Executor):
 
     def shutdown(self, wait: bool = True, **kwargs) -> None:
         self._threads.shutdown(wait)
-        self.workers.close()
+        if not self.keep:
+            self.workers.close()
 
 
 def _after(ahead: Future | None, fn: Callable, *args, **kwargs):
@@ -197,12 +213,38 @@ def _after(ahead: Future | None, fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+# The worker processes ``prestart`` started, kept for the next block; once a process.
+_EARLY: list = [None, False]  # [Workers or None, whether prestart ran]
+
+
+def prestart(device: torch.device) -> None:
+    """Start the worker processes of the next ``compiling_ahead`` block now, in the
+    background (an optimizer's construction, on a fresh process: the first step's pass then
+    finds them up, their interpreters and imports done). Once a process; nothing where the
+    block would not compile ahead."""
+    if not enabled(device) or launches_only_compile():
+        return
+    with _PATCH_LOCK:
+        if not _EARLY[1]:
+            _EARLY[:] = [Workers(workers()), True]
+
+
+def _take_early() -> Workers | None:
+    with _PATCH_LOCK:
+        early, _EARLY[0] = _EARLY[0], None
+    return early
+
+
 @contextlib.contextmanager
-def compiling_ahead(device: torch.device, what: str = "kernels") -> Iterator[bool]:
+def compiling_ahead(
+    device: torch.device, what: str = "kernels", processes: Workers | None = None
+) -> Iterator[bool]:
     """Within the block, this thread's Triton launches compile on a thread pool instead of
     running; on leaving it every compile has finished (a failed one raises here, as its launch
     would have). Yields whether it does so (``enabled(device)``); when not, launches run.
-    One INFO line on leaving: how many variants compiled, in how long."""
+    ``processes``: the worker processes to compile on, left running on leaving (else those
+    ``prestart`` started, or new ones, closed on leaving). One INFO line on leaving: how many
+    variants compiled, in how long."""
     if not enabled(device) or launches_only_compile():
         yield False
         return
@@ -210,7 +252,8 @@ def compiling_ahead(device: torch.device, what: str = "kernels") -> Iterator[boo
     mode = _async_mode()
     _install()
     try:
-        pool = CompileExecutor(count)
+        pool = CompileExecutor(count, workers=processes or _take_early())
+        pool.keep = processes is not None
         try:  # a config that fails to compile is the tuner's to skip, at its launch
             ahead = mode(pool, ignore_errors=True)
         except TypeError:  # a Triton whose mode has no such option
@@ -226,3 +269,33 @@ def compiling_ahead(device: torch.device, what: str = "kernels") -> Iterator[boo
     seconds = time.perf_counter() - start
     line = "muon-offload: compiled %d kernel variants ahead (the %s) in %.1f s, %d processes"
     _LOG.info(line, pool.submitted, what, seconds, count)
+
+
+def compile_then_tune(device: torch.device, run: Callable[[], None], what: str) -> bool:
+    """``run()`` (launches) inside ``compiling_ahead``, where a key the tuner must time
+    compiles its candidates' timing launches only (``AHEAD.pending``); those keys are then
+    timed here, outside the block (on the card, on binaries the block compiled), and ``run()``
+    again inside a second block, on the same processes, compiles each winner's own launch:
+    the step that follows compiles nothing and times nothing, and the launches that lose the
+    timing are never compiled. Whether the launches compiled ahead (``enabled(device)``)."""
+    from ._launch import TUNER
+
+    if not enabled(device) or launches_only_compile():
+        return False
+    processes = _take_early() or Workers(workers())
+    try:
+        AHEAD.pending = []
+        try:
+            with compiling_ahead(device, what, processes):
+                run()
+            pending, AHEAD.pending = AHEAD.pending, None
+        finally:
+            AHEAD.pending = None
+        if pending:
+            for kernel, key, configs, *rest in pending:
+                TUNER.choose(kernel, key, configs, *rest)
+            with compiling_ahead(device, f"{len(pending)} tuned keys' winners", processes):
+                run()
+    finally:
+        processes.close()
+    return True

@@ -295,14 +295,30 @@ def test_a_fresh_machines_first_step_compiles_its_kernels_on_the_pool(tmp_path, 
     ids=["multiples-of-16", "odd-sizes"],
 )
 def test_a_first_step_that_tunes_finds_every_candidate_compiled(tmp_path, shapes):
-    """Tuning on, an empty tuning cache and no shipped table: every key is timed in the step,
-    on candidates the pass compiled (each of them), and the winner's launch is compiled too:
-    in the pass a launch whose key is not decided yet compiles with every candidate
-    (``Tuner.choices``), at the step's own sizes and alignment and with what the timing
-    leaves out (the fused apply of the last product), whichever candidate wins."""
+    """Tuning on, an empty tuning cache and no shipped table: every key is timed in the pass
+    (``precompile.compile_then_tune``), on candidates its first block compiled, and the
+    winner's own launch (the step's sizes and alignment, what the timing leaves out: the fused
+    apply of the last product) is compiled in its second: nothing compiles outside the pool,
+    nor in the second step."""
     kw = dict(MODELS[1], no_table=True)
     if shapes is not None:  # None: the script's own, odd sizes among them
         kw["shapes"] = shapes
     on = _first_steps(tmp_path, "tune", kw, "1", tune=True)
     outside = [t for t in on["compiles"] if not t.startswith("muon-offload-load")]
     assert on["compiles"] and not outside, f"{len(outside)} variants compiled outside the pool"
+    assert on["per_step"][0] == on["per_step"][1]  # the second step compiles nothing
+
+
+def test_an_optimizer_on_the_triton_path_starts_the_compile_workers_at_construction(
+    monkeypatch,
+):
+    """The workers of its first step's pass start while the caller goes on (their
+    interpreters and imports off the first step); not where the step takes torch's path."""
+    started = []
+    monkeypatch.setattr(precompile, "prestart", started.append)
+    _, groups = _model()
+    Muon(groups, lr=0.02, backend="triton")
+    assert started == [torch.device("cpu")]
+    _, groups = _model()
+    Muon(groups, lr=0.02, backend="torch")
+    assert started == [torch.device("cpu")]

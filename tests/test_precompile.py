@@ -391,3 +391,84 @@ def test_a_fresh_cache_first_step_compiles_on_the_pool_with_the_same_results(tmp
     assert ahead["after"] == [], f"the step compiled {len(ahead['after'])} variants itself"
     assert len(plain["after"]) == len(ahead["ahead"])  # the variants the step needs, no more
     assert ahead["params"] == plain["params"]  # the same binaries: the same bits
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [_poly_apply_fused, _muon_apply_cautious, _adamw_unaligned],
+    ids=["poly_apply-fused-apply", "muon_apply-cautious", "adamw-unaligned"],
+)
+def test_compile_then_tune_times_between_its_blocks_and_compiles_the_winner_only(
+    monkeypatch, compiled_kind, tmp_path, launcher
+):
+    """``compile_then_tune``: the first block compiles the timing launches of a key not
+    decided yet and none of the caller's own; the key is timed between the blocks (outside
+    either: the card runs the timing) and the second block compiles the winner's own launch
+    alone; the step then times nothing and launches a variant compiled ahead."""
+    module, name, kernel, call = launcher()
+    tuner = _launch.Tuner()
+    monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
+    monkeypatch.setattr(_launch, "TUNER", tuner)
+    monkeypatch.setattr(module, "TUNER", _OnAGpu(tuner))
+    monkeypatch.setattr(precompile, "_take_early", lambda: None)
+    times = iter(range(1000, 0, -1))
+    timed_inside = []
+
+    def bench_ms(fn):  # each later candidate faster: the last one wins
+        fn()
+        if _launch.launches_only_compile():
+            return float("nan")
+        timed_inside.append(_launch.launches_only_compile())
+        return float(next(times))
+
+    monkeypatch.setattr(module, "bench_ms", bench_ms)
+    launched = _variants(monkeypatch, module, name)
+    blocks = []
+
+    def run():
+        blocks.append(len(launched))
+        call()
+
+    assert precompile.compile_then_tune(CUDA, run, "test")
+    assert len(blocks) == 2 and timed_inside and not any(timed_inside)
+    first, second = launched[: blocks[1]], launched[blocks[1] :]
+    won = _launch.Config(**tuner.last[kernel]["config"])
+    timed = list(tuner.last[kernel]["all_ms"])
+    assert timed.index(won.label()) == len(timed) - 1 > 0  # the last: not the first config
+    assert len(set(second) - set(first)) == 1  # the winner's own launch, nothing else new
+    compiled = set(launched)
+    launched.clear()
+    count = len(timed_inside)
+    call()  # the step: decided, so no timing, and its launch compiled ahead
+    assert len(timed_inside) == count and launched and set(launched) <= compiled
+
+
+def test_workers_start_their_processes_before_the_first_job(monkeypatch):
+    """Each worker's process starts with its thread (its interpreter and imports overlap what
+    comes before the first job); ``prestart`` does it once a process, for the next block."""
+    started = threading.Semaphore(0)
+
+    def start(self):
+        started.release()
+        raise OSError("no process here")  # the job then starts it again, and fails with it
+
+    monkeypatch.setattr(precompile.Workers, "_start", start)
+    workers = precompile.Workers(3)
+    try:
+        for _ in range(3):
+            assert started.acquire(timeout=30)
+    finally:
+        workers.close()
+    monkeypatch.setattr(precompile, "_EARLY", [None, False])
+    monkeypatch.setattr(precompile, "enabled", lambda device: True)
+    precompile.prestart(CUDA)
+    early = precompile._EARLY[0]
+    try:
+        assert isinstance(early, precompile.Workers)
+        precompile.prestart(CUDA)
+        assert precompile._EARLY[0] is early  # once a process
+        assert precompile._take_early() is early and precompile._take_early() is None
+        precompile.prestart(CUDA)
+        assert precompile._EARLY[0] is None
+    finally:
+        early.close()

@@ -3,9 +3,10 @@
 On a fresh machine a first step is bound by Triton compiling its kernel variants one after
 another, inside the step (0.5 to 3.4 s each, twenty for a mixture-of-experts model). Before a
 step whose plan holds units of a kind this process has not run, ``before`` runs
-one unit of each new kind inside ``kernels.precompile.compiling_ahead``: there the launches
-only compile, each on a pool of worker processes at once, and the step that follows finds
-every variant compiled.
+one unit of each new kind inside ``kernels.precompile.compile_then_tune``: there the launches
+only compile, each on a pool of worker processes at once (started at the optimizer's
+construction: ``prestart``), keys new to the tuner are timed between its two blocks, and the
+step that follows finds every variant compiled and every key decided.
 
 A unit's kind is what its variants are read off: the algorithm and the settings its launches
 bake (``Algorithm.baked``), the state format, and each tensor's shape, strides, dtype and
@@ -93,11 +94,28 @@ def compile_ahead(ctx: StepContext, layouts, rows, device: torch.device) -> int:
         what += f" ({skipped} distributed units left to the step)"
     # The random state as it was: a tuner's scratch (``scratch_like``) draws from it.
     cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(cuda), precompile.compiling_ahead(device, what) as ahead:
-        if ahead:
-            for _, (unit, job) in todo:
-                _run(unit, _scratch_job(job, device))
+    with torch.random.fork_rng(cuda):
+        scratch = [(unit, _scratch_job(job, device)) for _, (unit, job) in todo]
+
+        def run() -> None:
+            for unit, job in scratch:
+                _run(unit, job)
+
+        precompile.compile_then_tune(device, run, what)
     return len(todo)
+
+
+def prestart(opt) -> None:
+    """At ``opt``'s construction: where its first step will compile ahead (the Triton path on
+    CUDA), start the compile workers now, in the background (``precompile.prestart``): their
+    interpreters and imports are done by the time the first step's pass needs them. Never
+    raises an ``Exception``."""
+    try:
+        device = next((p.device for g in opt.param_groups for p in g["params"]), None)
+        if device is not None and runs_triton(opt.backend, device):
+            precompile.prestart(device)
+    except Exception:  # noqa: BLE001, S110 (the pass starts its own)
+        pass
 
 
 def _new_kinds(ctx: StepContext, layouts, rows, device) -> tuple[list, int]:

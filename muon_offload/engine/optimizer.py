@@ -110,6 +110,7 @@ class ChunkedOptimizer(
         super().__init__(params, defaults)
         _groups_added(self)
         self._constructed = True
+        first_compile.prestart(self)  # the first step's compile workers, starting meanwhile
 
     def _setup(self, settings: Settings, mesh: Mesh) -> None:
         """The engine's own attributes: settings, and nothing built yet."""
