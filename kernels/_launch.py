@@ -84,6 +84,14 @@ def batch_slices(batch: int) -> list[tuple[int, int]]:
     return [(start, min(batch - start, MAX_GRID_Y)) for start in range(0, batch, MAX_GRID_Y)]
 
 
+def launch_batched(kernel, programs: int, batch: int, tensors: tuple, *args, **kwargs) -> None:
+    """``kernel`` over a batch on a grid (programs, matrices), in as many launches as grid
+    axis 1 needs (``batch_slices``): each gets ``tensors``, then the index of its first
+    matrix (the kernels' ``b_start``), then ``args`` and ``kwargs``."""
+    for start, size in batch_slices(batch):
+        kernel[(programs, size)](*tensors, start, *args, **kwargs)
+
+
 def bucket(n: int) -> int:
     """Next power of two: tuning keys grow by doubling, so new sizes rarely re-tune."""
     return 1 << max(int(n) - 1, 0).bit_length()

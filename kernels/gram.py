@@ -28,10 +28,10 @@ from ._launch import (
     FP_FUSION,
     TUNER,
     Config,
-    batch_slices,
     bench_ms,
     bucket,
     dtype_name,
+    launch_batched,
     tuning_batch,
 )
 from ._tma import tma_enabled, tma_layout
@@ -153,24 +153,22 @@ def _launch(
     batch, m, k = x.shape
     tiles = triton.cdiv(m, config.block)
     y_arg, args, constexprs = epilogue_args(y, out, alpha, beta, diag, symmetrize, scale)
-    for start, size in batch_slices(batch):
-        _sym_gram_kernel[(tiles * (tiles + 1) // 2, size)](
-            x,
-            w,
-            y_arg,
-            out,
-            start,
-            m,
-            k,
-            *x.stride(),
-            *w.stride(),
-            *args,
-            **constexprs,
-            EVEN_K=k % config.chunk == 0,
-            BLOCK=config.block,
-            BLOCK_K=config.chunk,
-            **pointer_options(config, x.dtype),
-        )
+    launch_batched(
+        _sym_gram_kernel,
+        tiles * (tiles + 1) // 2,
+        batch,
+        (x, w, y_arg, out),
+        m,
+        k,
+        *x.stride(),
+        *w.stride(),
+        *args,
+        **constexprs,
+        EVEN_K=k % config.chunk == 0,
+        BLOCK=config.block,
+        BLOCK_K=config.chunk,
+        **pointer_options(config, x.dtype),
+    )
 
 
 def pointer_options(config: Config, dtype: torch.dtype) -> dict:

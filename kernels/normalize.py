@@ -27,11 +27,11 @@ from ._launch import (
     FP_FUSION,
     TUNER,
     Config,
-    batch_slices,
     bench_ms,
     bucket,
     dtype_name,
     interpreted,
+    launch_batched,
     scalar_arg,
 )
 from ._triton import tl, triton
@@ -126,23 +126,21 @@ def normalize(
         return _like(out, u)
 
     def launch(config: Config, target: Tensor) -> None:
-        grid_x = triton.cdiv(numel, config.chunk)
-        for start, size in batch_slices(batch):
-            _normalize_kernel[(grid_x, size)](
-                flat,
-                target,
-                sumsq,
-                start,
-                numel,
-                float(norm_scale),
-                eps,
-                ROUND_SCALE=round_scale,
-                EVEN=numel % config.chunk == 0,
-                BLOCK=config.block,
-                CHUNK=config.chunk,
-                num_warps=config.num_warps,
-                enable_fp_fusion=FP_FUSION,
-            )
+        launch_batched(
+            _normalize_kernel,
+            triton.cdiv(numel, config.chunk),
+            batch,
+            (flat, target, sumsq),
+            numel,
+            float(norm_scale),
+            eps,
+            ROUND_SCALE=round_scale,
+            EVEN=numel % config.chunk == 0,
+            BLOCK=config.block,
+            CHUNK=config.chunk,
+            num_warps=config.num_warps,
+            enable_fp_fusion=FP_FUSION,
+        )
 
     def bench(config: Config) -> float:
         scratch = torch.empty_like(out)  # reads u and sumsq only

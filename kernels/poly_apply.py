@@ -25,11 +25,11 @@ from torch import Tensor
 from ._launch import (
     TUNER,
     Config,
-    batch_slices,
     bench_ms,
     bucket,
     check_scalars,
     dtype_name,
+    launch_batched,
     tuning_batch,
 )
 from ._tma import tma_enabled, tma_layout
@@ -175,24 +175,23 @@ def _launch(
     if stride_pk != 1 and stride_pm == 1:  # B = B^T: read it so that K stays contiguous
         stride_pm, stride_pk = stride_pk, stride_pm
     args, constexprs = epilogue_args(x, out, alpha, scale, apply, even)
-    for start, size in batch_slices(batch):
-        _poly_apply_kernel[(tiles, size)](
-            poly,
-            x,
-            out,
-            start,
-            m,
-            n,
-            stride_pb,
-            stride_pm,
-            stride_pk,
-            *args,
-            **constexprs,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block,
-            BLOCK_K=config.chunk,
-            **pointer_options(config, x.dtype),
-        )
+    launch_batched(
+        _poly_apply_kernel,
+        tiles,
+        batch,
+        (poly, x, out),
+        m,
+        n,
+        stride_pb,
+        stride_pm,
+        stride_pk,
+        *args,
+        **constexprs,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block,
+        BLOCK_K=config.chunk,
+        **pointer_options(config, x.dtype),
+    )
 
 
 def _check_apply(apply_to: ParamApply, out: Tensor | None, batch: int, device) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._launch import batch_slices, interpreted
+from ._launch import interpreted, launch_batched
 from ._triton import tl, triton
 
 SUMSQ_BLOCK = 2048
@@ -132,19 +132,19 @@ def sum_squares(u: Tensor) -> Tensor:
         return out.zero_()
     groups = groups_for(numel)
     partial = torch.empty(batch, groups, dtype=torch.float32, device=u.device)
-    for start, size in batch_slices(batch):
-        _sumsq_partial_kernel[(groups, size)](
-            flat,
-            partial,
-            start,
-            numel,
-            groups,
-            BLOCK=SUMSQ_BLOCK,
-            CHUNK=SUMSQ_CHUNK,
-            LOG2_BLOCK=LOG2_SUMSQ_BLOCK,
-            num_warps=8,
-            enable_fp_fusion=False,
-        )
+    launch_batched(
+        _sumsq_partial_kernel,
+        groups,
+        batch,
+        (flat, partial),
+        numel,
+        groups,
+        BLOCK=SUMSQ_BLOCK,
+        CHUNK=SUMSQ_CHUNK,
+        LOG2_BLOCK=LOG2_SUMSQ_BLOCK,
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
     return sum_partials(partial, out)
 
 
