@@ -210,3 +210,51 @@ def test_cached_plan_holds_no_gradient(offload):
     opt.zero_grad()
     gc.collect()
     assert all(g() is None for g in grads)
+
+
+# Two expert-like stacks of matrices (Muon cuts each into its matrices), a matrix, AdamW.
+STACKS = ((3, 8, 6), (3, 8, 6), (8, 6), (101,), (300,))
+
+
+@OFFLOAD
+@pytest.mark.parametrize("state_dtype", [None, torch.int8])
+def test_stack_storage_replaced(offload, state_dtype):
+    """A resident stack's matrices, kept from one step to the next (``UnitJob.memo``), follow
+    ``p.data = ...``: the step updates the new storage, as a fresh copy's does."""
+    kw = {} if state_dtype is None else dict(state_dtype=state_dtype)
+    params = _params(STACKS)
+    opt = _muon(params, offload, **kw)
+    for s in range(2):
+        _grads(params, s)
+        opt.step()
+    params[0].data = torch.randn(3, 8, 6)
+    _grads(params, 7)
+    new = params[0].detach().clone()
+    _step_matches_fresh(opt)
+    assert not torch.equal(params[0].detach(), new)
+    _grads(params, 8)
+    _step_matches_fresh(opt)
+
+
+def test_steady_resident_step_cuts_only_the_gradients():
+    """After the first step only the gradients (new every step) are cut into matrices: the
+    parameters' and the momentum's matrices are kept with the plan."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Unbinds(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket is torch.ops.aten.unbind
+            return func(*args, **(kwargs or {}))
+
+    params = _params(STACKS)
+    opt = _muon(params, False)
+    counts = []
+    for s in range(3):
+        _grads(params, s)
+        with Unbinds() as unbinds:
+            opt.step()
+        counts.append(unbinds.count)
+    stacks = sum(p.ndim == 3 for p in params)
+    assert counts == [3 * stacks, stacks, stacks]  # parameter, gradient, momentum; then one

@@ -108,6 +108,12 @@ class UnitJob:
     scalars: Tensor | None = None
     plain: bool = False  # no DTensor among the parameters: local(p) is p
     grad_index: GradIndex | None = None
+    # A resident unit's dict for the life of its plan (``chunks.UnitLayout``): where the
+    # algorithm keeps what it derives from the unit's parameters and state between steps,
+    # checked against them at each use (a parameter's storage may be replaced under a plan).
+    # None for a streamed unit (a kept view of staging would hold an arena that a larger
+    # plan replaces) and outside a step: nothing is kept.
+    memo: dict | None = None
 
 
 class Algorithm:

@@ -120,6 +120,8 @@ class UnitLayout:
     # (``step_counts.step_classes``). None and 0 for the others.
     step_item: int | None = None
     step_class: int = 0
+    # ``UnitJob.memo`` of a resident unit: the algorithm's own, for this plan's life.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def job_state(self, tensors: Sequence[Tensor] | None) -> list[list[Tensor]]:
         """Fresh lists of the unit's state tensors, key by key: from the chunk's staging
@@ -225,6 +227,7 @@ def _job(
         scalars=scalars,
         plain=u.plain,
         grad_index=grad_index,
+        memo=u.memo if tensors is None and not ctx.copies else None,
     )
 
 

@@ -97,14 +97,8 @@ class MuonUpdate(Algorithm):
             xs = params if job.plain else [local(p) for p in params]
             gs, ms, scales = job.grads, job.state[0], []
         else:
-            xs, gs, ms, scales = [], [], [], []
-            for i, (p, g, m) in enumerate(zip(params, job.grads, job.state[0], strict=True)):
-                xs.extend(_matrices(local(p), h.flatten, rows))
-                gs.extend(_matrices(g, h.flatten, rows))
-                ms.extend(_matrices(m, h.flatten, rows))
-                if int8:  # one row of block scales a matrix
-                    s = job.state[1][i]
-                    scales.extend(s.unbind(0) if s.ndim == 2 else [s])
+            xs, ms, scales = _unit_matrices(job, h.flatten, rows, int8)
+            gs = [g for grad in job.grads for g in _matrices(grad, h.flatten, rows)]
         if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
             return
         mu = h.mu if row is None else row[0:1]
@@ -157,6 +151,31 @@ class MuonUpdate(Algorithm):
             ortho = orthogonalize(update, sumsq)
         if xs[0].numel():
             launch.muon_apply_(job.backend, xs, ortho, **apply)
+
+
+def _unit_matrices(job: UnitJob, flatten: bool, rows, int8: bool) -> tuple[list, list, list]:
+    """The matrices of the unit's parameters and momentum, and with 8-bit state each matrix's
+    row of scales (``_matrices``' views, one a matrix), kept in ``job.memo`` for the next
+    steps: a stack is not cut into its matrices again while its tensors come back at the same
+    addresses, shapes and strides (the kept views hold the memory they view, so no other
+    tensor can be found there; a parameter's storage replaced under the plan misses)."""
+    xs_of = job.params if job.plain else [local(p) for p in job.params]
+    sources = (*xs_of, *(t for key in job.state for t in key))
+    key = (flatten, rows, int8, *((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in sources))
+    kept = None if job.memo is None else job.memo.get("matrices")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    xs, ms, scales = [], [], []
+    for i, (x, m) in enumerate(zip(xs_of, job.state[0], strict=True)):
+        xs.extend(_matrices(x, flatten, rows))
+        ms.extend(_matrices(m, flatten, rows))
+        if int8:  # one row of block scales a matrix
+            s = job.state[1][i]
+            scales.extend(s.unbind(0) if s.ndim == 2 else [s])
+    # Views only: a reshape of a tensor that is not contiguous would be a copy, stale later.
+    if job.memo is not None and all(t.is_contiguous() for t in sources):
+        job.memo["matrices"] = (key, (xs, ms, scales))
+    return xs, ms, scales
 
 
 def _matrices(t: Tensor, flatten: bool, head_rows: int | None = None) -> list[Tensor]:
