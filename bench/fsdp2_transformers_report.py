@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import statistics
 
-from transformers_step import fmt, gib
+from transformers_step import gib
+
+from muon_offload.tools.bench.report import num
 
 # A reference measurement on two H200s (s an iteration), and the target for 8-bit state.
 REFERENCE_S = {"ours_resident": 0.192, "ours_offload_fp32": 0.230}
@@ -87,9 +89,9 @@ def table(r: dict) -> str:
             lines.append(f"{name:<18} {'skipped' if 'skipped' in x else 'error'}: {why[:200]}")
             continue
         lines.append(
-            f"{name:<18} {x['median_iter_s']:>7.4f} {fmt(x['iter_to_resident'], '6.3f'):>6} "
-            f"{x['median_step_s']:>7.4f} {fmt(x['peak_gib'], '8.2f'):>8} "
-            f"{fmt(x['peak_to_resident'], '6.3f'):>6} {fmt(x['host_state_gib'], '8.3f'):>8} "
+            f"{name:<18} {x['median_iter_s']:>7.4f} {num(x['iter_to_resident'], '6.3f'):>6} "
+            f"{x['median_step_s']:>7.4f} {num(x['peak_gib'], '8.2f'):>8} "
+            f"{num(x['peak_to_resident'], '6.3f'):>6} {num(x['host_state_gib'], '8.3f'):>8} "
             f"{x['last_loss']:>8.4f}"
         )
     t = r.get("target")

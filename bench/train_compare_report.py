@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from muon_offload.tools.bench.report import num
+
 TARGET = 0.01  # 8-bit state's final loss within 1% of fp32's
 # Overlapping curves stay visible: the state format sets the line style.
 STYLES = {"torch.float32": "-", "torch.bfloat16": "--", "torch.int8": ":"}
@@ -26,10 +28,6 @@ def ratio(result: dict, name: str) -> float | None:
     return modes[name]["final"] / ref["final"]
 
 
-def _num(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def table(result: dict) -> str:
     cfg, env = result["config"], result["environment"]
     window = cfg["final_window"]
@@ -43,11 +41,11 @@ def table(result: dict) -> str:
     for name, rec in modes.items():
         peak = rec.get("peak_gpu_mib")
         lines.append(
-            f"{name:<16} {rec['status']:<9} {_num(rec.get('final'), '.4f'):>10} "
-            f"{_num(ratio(result, name), '.4f'):>8} {_num(rec.get('final_val'), '.4f'):>7} "
-            f"{_num(rec.get('step_ms_median'), '.1f'):>8} "
-            f"{_num(rec.get('first_step_s'), '.2f'):>10} "
-            f"{_num(peak and peak / 1024, '.2f'):>9}"
+            f"{name:<16} {rec['status']:<9} {num(rec.get('final'), '.4f'):>10} "
+            f"{num(ratio(result, name), '.4f'):>8} {num(rec.get('final_val'), '.4f'):>7} "
+            f"{num(rec.get('step_ms_median'), '.1f'):>8} "
+            f"{num(rec.get('first_step_s'), '.2f'):>10} "
+            f"{num(peak and peak / 1024, '.2f'):>9}"
         )
     for name, rec in modes.items():
         if rec["status"] != "ok" and rec.get("error"):

@@ -8,10 +8,11 @@ import shlex
 import statistics
 
 import torch
-from transformers_step import fmt, gib
+from transformers_step import gib
 
 from muon_offload.tools.bench import machine
 from muon_offload.tools.bench.dion_runner import dion_commit
+from muon_offload.tools.bench.report import num
 
 
 def median(values: list[float]) -> float | None:
@@ -100,14 +101,14 @@ def table(rows: dict) -> str:
             cells = [
                 name,
                 f"{r['median_iter_s']:.4f}",
-                fmt(r["step_share_s"], ".4f"),
-                fmt(r["median_step_ms"], ".2f"),
-                fmt(r["median_host_ms"], ".2f"),
-                fmt(r["first_step_s"], ".3f"),
+                num(r["step_share_s"], ".4f"),
+                num(r["median_step_ms"], ".2f"),
+                num(r["median_host_ms"], ".2f"),
+                num(r["first_step_s"], ".3f"),
                 graphs(r["graph"]),
-                fmt(r["peak_allocated_gib"], ".2f"),
-                fmt(r["peak_reserved_gib"], ".2f"),
-                fmt(r["own_peak_gib"], ".2f"),
+                num(r["peak_allocated_gib"], ".2f"),
+                num(r["peak_reserved_gib"], ".2f"),
+                num(r["own_peak_gib"], ".2f"),
                 f"{r['last_loss']:.4f}",
             ]
         lines.append(
@@ -130,7 +131,7 @@ def eager_lines(rows: dict, twins: dict[str, str]) -> list[str]:
         lines.append(
             f"{name}: host {r['median_host_ms']:.2f} ms to issue a step of "
             f"{r['median_step_ms']:.2f} ms on the device: {r['host_over_step']:.0%} "
-            f"(graphed, {twin}: host {fmt(graphed, '.2f')} ms)"
+            f"(graphed, {twin}: host {num(graphed, '.2f')} ms)"
         )
     return lines
 

@@ -15,12 +15,11 @@ forward on random token ids (the same ids in every mode) with ``labels``, backwa
 ``zero_grad(set_to_none=True)``.
 
 Recorded per mode: the iteration's seconds (device synchronized at both ends; median, min,
-max), the step's seconds (CUDA events around ``opt.step()`` on the compute stream, which waits
-for our offloaded write-backs before the step returns), the peak GPU memory (reset once the
-model is built, so it spans the warm-up, which creates the state) and that peak over the
-weights and gradients, the peak a step adds over what was allocated when it began, what stays
-allocated between iterations beyond the weights (the state of resident modes, our staging
-ring), the host bytes of our offloaded state, every loss. State keeps the weights' dtype (bf16,
+max), the step's seconds (CUDA events around ``opt.step()`` on the compute stream), the peak
+GPU memory (reset once the model is built, so it spans the warm-up, which creates the state) and
+that peak over the weights and gradients, the peak a step adds over what was allocated when it
+began, what stays allocated between iterations beyond the weights (the state of resident modes,
+our staging ring), the host bytes of our offloaded state, every loss. State keeps the weights' dtype (bf16,
 as dion), except in ``ours_offload_int8``. The modes run in the order of their importance, and
 the JSON is rewritten after each, so a run cut short keeps what finished; a mode that fails
 (out of memory, say) records its error and the next one runs. dion is optional (``import dion``,
@@ -57,6 +56,7 @@ from muon_offload.tools.bench.modes import (  # noqa: E402
     ADAMW_WEIGHT_DECAY,
     MUON_LR,
 )
+from muon_offload.tools.bench.report import num  # noqa: E402
 from muon_offload.tools.bench.timing import GIB  # noqa: E402
 
 # In the order they run: a run cut short still has the first ones.
@@ -294,10 +294,6 @@ def parameter_counts(cfg) -> dict:
     }
 
 
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table(results: dict) -> str:
     head = (
         f"{'mode':<18} {'iter s':>7} {'step s':>7} {'tok/s':>8} {'peak GiB':>8} "
@@ -311,11 +307,11 @@ def table(results: dict) -> str:
             continue
         lines.append(
             f"{name:<18} {r['median_iter_s']:>7.3f} {r['median_step_s']:>7.4f} "
-            f"{r['tokens_per_s']:>8.0f} {fmt(r['peak_gib'], '8.2f'):>8} "
-            f"{fmt(r['peak_over_weights_grads_gib'], '8.2f'):>8} "
-            f"{fmt(r['step_peak_added_gib'], '9.2f'):>9} "
-            f"{fmt(r['held_over_weights_gib'], '8.2f'):>8} "
-            f"{fmt(r['host_state_gib'], '8.2f'):>8} {r['last_loss']:>7.3f}"
+            f"{r['tokens_per_s']:>8.0f} {num(r['peak_gib'], '8.2f'):>8} "
+            f"{num(r['peak_over_weights_grads_gib'], '8.2f'):>8} "
+            f"{num(r['step_peak_added_gib'], '9.2f'):>9} "
+            f"{num(r['held_over_weights_gib'], '8.2f'):>8} "
+            f"{num(r['host_state_gib'], '8.2f'):>8} {r['last_loss']:>7.3f}"
         )
     return "\n".join(lines)
 
