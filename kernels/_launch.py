@@ -277,14 +277,25 @@ def _cached_config(entry, configs: Sequence[Config]) -> Config | None:
     return config if config in configs else None
 
 
-def bench_ms(fn: Callable[[], None], reps: int = 20) -> float:
-    """Median time of ``fn`` in milliseconds (CUDA events, after warm-up)."""
+# do_bench's warm-up and timing, in ms: a step's tuning (a first step on a GPU the shipped
+# tables lack times every candidate of each new key: the step waits) and ``muon-offload tune``'s
+# (``retuning``: ahead of training, longer, steadier medians). 8 ms still repeats a kernel of up
+# to a millisecond 8 times and the small ones hundreds of times.
+STEP_BENCH_MS = (2, 8)
+TUNE_BENCH_MS = (5, 20)
+
+
+def bench_ms(fn: Callable[[], None], reps: int | None = None) -> float:
+    """Median time of ``fn`` in milliseconds (CUDA events, after warm-up), timed for ``reps``
+    ms, else ``TUNE_BENCH_MS`` when retuning, ``STEP_BENCH_MS`` in a step."""
     import triton.testing
 
+    warmup, rep = TUNE_BENCH_MS if TUNER.retune else STEP_BENCH_MS
+    rep = rep if reps is None else reps
     if launches_only_compile():  # the launches only compile: one each, nothing to time
         fn()
         return float("nan")
-    return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 # Scalars of direct launcher calls, by value: a call with the same values reuses its tensor.

@@ -296,3 +296,22 @@ def test_a_product_one_smallest_tile_covers_is_not_timed(monkeypatch):
     assert benches["sym_gram", 128, 64] and benches["sym_gram", 384, 64]
     assert not benches["poly_apply", 64, 64]
     assert benches["poly_apply", 32, 8192] and benches["poly_apply", 128, 64]
+
+
+def test_a_steps_timing_is_shorter_than_the_tune_commands(monkeypatch):
+    """A step's tuning (the step waits for it) times each candidate for STEP_BENCH_MS;
+    ``muon-offload tune`` (retuning, ahead of training) for the longer TUNE_BENCH_MS."""
+    import triton.testing
+
+    asked = []
+
+    def do_bench(fn, warmup, rep, return_mode):
+        asked.append((warmup, rep))
+        return 1.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    _launch.bench_ms(lambda: None)
+    with tuning.retuning():
+        _launch.bench_ms(lambda: None)
+    assert asked == [_launch.STEP_BENCH_MS, _launch.TUNE_BENCH_MS]
+    assert _launch.STEP_BENCH_MS[1] < _launch.TUNE_BENCH_MS[1]
