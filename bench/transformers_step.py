@@ -14,19 +14,18 @@ forward on random token ids (the same ids in every mode) with ``labels``, backwa
 ``clip_grad_norm_(1.0)``, the groups' lr times a cosine factor, ``step()``,
 ``zero_grad(set_to_none=True)``.
 
-Recorded per mode: the iteration's seconds (device synchronized at both ends; median, min, max),
-the step's seconds (CUDA events around ``opt.step()`` on the compute stream), the peak GPU
-memory (reset once the model is built, so it spans the warm-up, which creates the state) and
-that peak over the weights and gradients, the peak a step adds over what was allocated when it
-began, what stays allocated between iterations beyond the weights (the state of resident modes,
-our staging ring), the host bytes of our offloaded state, every loss. State keeps the weights'
-dtype (bf16, as dion), except in ``ours_offload_int8``. The modes run in the order of their
-importance, and the JSON is rewritten after each, so a run cut short keeps what finished; a mode
-that fails (out of memory, say) records its error and the next one runs. dion is optional
-(``import dion``, or ``--dion-path``) and runs eagerly (torch.compile off, as in
-docs/benchmarks.md); without it its mode says why it was skipped. ``--tiny``: a 2-layer model,
-one warm-up and one timed iteration, for CPUs (``offload=True`` then runs its chunked pipeline
-through host memory).
+Recorded per mode: the iteration's seconds (device synchronized at both ends; median, min, max), the
+step's seconds (CUDA events around ``opt.step()`` on the compute stream), the peak GPU memory (reset
+once the model is built, so it spans the warm-up, which creates the state) and that peak over the
+weights and gradients, the peak a step adds over what was allocated when it began, what stays
+allocated between iterations beyond the weights (the state of resident modes, our staging ring), the
+host bytes of our offloaded state, every loss. State keeps the weights' dtype (bf16, as dion),
+except in ``ours_offload_int8``. The modes run in the order of their importance, and the JSON is
+rewritten after each, so a run cut short keeps what finished; a mode that fails (out of memory, say)
+records its error and the next one runs. dion is optional (``import dion``, or ``--dion-path``) and
+runs eagerly (torch.compile off, as in docs/benchmarks.md); without it its mode says why it was
+skipped. ``--tiny``: a 2-layer model, one warm-up and one timed iteration, for CPUs
+(``offload=True`` then runs its chunked pipeline through host memory).
 """
 
 from __future__ import annotations
