@@ -105,6 +105,10 @@ def _uninstall() -> None:
 WORKER = (sys.executable, "-m", "muon_offload.kernels._compile_worker")
 
 
+def _worker_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
 def _job(compile_fn: Callable) -> tuple | None:
     """The picklable job of one of Triton's compile closures (``JITFunction._do_compile``'s
     ``async_compile``: its ``src``, ``target`` and ``options``), or None where the closure
@@ -139,6 +143,7 @@ class Workers:
     def __init__(self, count: int, command: tuple = WORKER) -> None:
         self._jobs: queue.Queue = queue.Queue()
         self._command = command
+        self.env = _worker_env()  # as it was at the start: Triton's cache dir among it
         self._threads = [
             threading.Thread(target=self._serve, name=f"muon-offload-compile-{i}", daemon=True)
             for i in range(count)
@@ -152,9 +157,8 @@ class Workers:
         return future
 
     def _start(self) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         pipe = subprocess.PIPE
-        return subprocess.Popen(self._command, stdin=pipe, stdout=pipe, env=env)
+        return subprocess.Popen(self._command, stdin=pipe, stdout=pipe, env=self.env)
 
     def _serve(self) -> None:
         try:
@@ -229,10 +233,43 @@ def prestart(device: torch.device) -> None:
             _EARLY[:] = [Workers(workers()), True]
 
 
+# A pass's worker processes wait this long for the next pass (another optimizer's first step,
+# a mode built after another: seconds later) before they are closed.
+PARKED_S = 60.0
+
+
 def _take_early() -> Workers | None:
+    """The processes ``prestart`` or the last pass left, if their environment is today's
+    (a worker writes the cache its environment names: another would miss it)."""
     with _PATCH_LOCK:
         early, _EARLY[0] = _EARLY[0], None
+    if early is not None and early.env != _worker_env():
+        early.close()
+        return None
     return early
+
+
+def _park(processes: Workers) -> None:
+    """Keep ``processes`` for the next pass, for ``PARKED_S`` seconds (else close them)."""
+    with _PATCH_LOCK:
+        parked = _EARLY[0] is None
+        if parked:
+            _EARLY[0] = processes
+    if not parked:
+        processes.close()
+        return
+    timer = threading.Timer(PARKED_S, _expire, args=(processes,))
+    timer.daemon = True
+    timer.start()
+
+
+def _expire(processes: Workers) -> None:
+    with _PATCH_LOCK:
+        mine = _EARLY[0] is processes
+        if mine:
+            _EARLY[0] = None
+    if mine:
+        processes.close()
 
 
 @contextlib.contextmanager
@@ -277,7 +314,8 @@ def compile_then_tune(device: torch.device, run: Callable[[], None], what: str) 
     timed here, outside the block (on the card, on binaries the block compiled), and ``run()``
     again inside a second block, on the same processes, compiles each winner's own launch:
     the step that follows compiles nothing and times nothing, and the launches that lose the
-    timing are never compiled. Whether the launches compiled ahead (``enabled(device)``)."""
+    timing are never compiled. The processes then wait ``PARKED_S`` for the next pass. Whether
+    the launches compiled ahead (``enabled(device)``)."""
     from ._launch import TUNER
 
     if not enabled(device) or launches_only_compile():
@@ -297,5 +335,5 @@ def compile_then_tune(device: torch.device, run: Callable[[], None], what: str) 
             with compiling_ahead(device, f"{len(pending)} tuned keys' winners", processes):
                 run()
     finally:
-        processes.close()
+        _park(processes)  # for the next pass, a while
     return True

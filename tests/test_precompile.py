@@ -410,7 +410,7 @@ def test_compile_then_tune_times_between_its_blocks_and_compiles_the_winner_only
     monkeypatch.setattr(_launch.Tuner, "cache_path", staticmethod(lambda d: tmp_path / "t.json"))
     monkeypatch.setattr(_launch, "TUNER", tuner)
     monkeypatch.setattr(module, "TUNER", _OnAGpu(tuner))
-    monkeypatch.setattr(precompile, "_take_early", lambda: None)
+    monkeypatch.setattr(precompile, "_EARLY", [None, True])  # none started early
     times = iter(range(1000, 0, -1))
     timed_inside = []
 
@@ -430,6 +430,9 @@ def test_compile_then_tune_times_between_its_blocks_and_compiles_the_winner_only
         call()
 
     assert precompile.compile_then_tune(CUDA, run, "test")
+    parked = precompile._take_early()  # left for the next pass
+    assert isinstance(parked, precompile.Workers)
+    parked.close()
     assert len(blocks) == 2 and timed_inside and not any(timed_inside)
     first, second = launched[: blocks[1]], launched[blocks[1] :]
     won = _launch.Config(**tuner.last[kernel]["config"])
@@ -472,3 +475,30 @@ def test_workers_start_their_processes_before_the_first_job(monkeypatch):
         assert precompile._EARLY[0] is None
     finally:
         early.close()
+
+
+def test_a_pass_leaves_its_processes_to_the_next_for_a_while(monkeypatch):
+    """The processes of a pass wait for the next one (``_park``), one pool at a time, until
+    ``PARKED_S`` runs out (``_expire``) or the environment they were started in changes (they
+    would write another Triton cache than the launching process reads)."""
+
+    def start(self):
+        raise OSError("no process here")
+
+    monkeypatch.setattr(precompile.Workers, "_start", start)
+    monkeypatch.setattr(precompile, "_EARLY", [None, True])
+
+    def closed(w):
+        return not any(t.is_alive() for t in w._threads)
+
+    first, second, third = (precompile.Workers(1) for _ in range(3))
+    precompile._park(first)
+    assert precompile._take_early() is first and precompile._take_early() is None
+    precompile._park(first)
+    precompile._park(second)  # one pool waits at a time: the other is closed
+    assert closed(second) and not closed(first)
+    precompile._expire(first)
+    assert closed(first) and precompile._take_early() is None
+    precompile._park(third)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/another/cache")
+    assert precompile._take_early() is None and closed(third)
