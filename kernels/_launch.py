@@ -142,6 +142,9 @@ class Tuner:
         self._lock = threading.Lock()
         self.last: dict[str, dict] = {}  # kernel -> the latest decision (for `tune` reports)
         self.retune = False  # time the candidates again even when a decision is cached
+        # The keys timed since ``retune`` was set (``tuning.retuning``): not timed twice in it
+        # (the compile pass times a key, the step after it would again).
+        self.retimed: set[tuple] = set()
         # (device index, cache dir, name) -> config: this process's decisions, no lock or I/O
         self._chosen: dict[tuple, Config] = {}
 
@@ -193,7 +196,7 @@ class Tuner:
             return configs[0]  # nothing to choose: neither timed nor compiled for a timing
         fast_key = (device.index, os.environ.get("MUON_OFFLOAD_CACHE_DIR"), kernel, key)
         fast = self._chosen.get(fast_key)  # no string building: this runs per launch
-        if fast is not None and not (force or self.retune):
+        if fast is not None and not (force or (self.retune and fast_key not in self.retimed)):
             return fast
         name = f"{kernel}|" + "|".join(str(k) for k in key)
         with self._lock:
@@ -241,6 +244,8 @@ class Tuner:
             self._memory[name] = entry
             self.last[kernel] = {"key": name, **entry}
             self._chosen[fast_key] = best
+            if self.retune:
+                self.retimed.add(fast_key)
             self._save(path)
         return best
 

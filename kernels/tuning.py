@@ -18,9 +18,10 @@ from ._launch import TUNER, Config, Tuner, _cached_config
 @contextlib.contextmanager
 def retuning(enabled: bool = True) -> Iterator[None]:
     """Within the block, every kernel launch re-times its configs even where the cache holds
-    a choice (the new winners replace the cached ones)."""
+    a choice (the new winners replace the cached ones), each key once."""
     before = TUNER.retune
     TUNER.retune = enabled
+    TUNER.retimed = set()  # each key timed once in the block
     try:
         yield
     finally:

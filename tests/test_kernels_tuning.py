@@ -315,3 +315,25 @@ def test_a_steps_timing_is_shorter_than_the_tune_commands(monkeypatch):
         _launch.bench_ms(lambda: None)
     assert asked == [_launch.STEP_BENCH_MS, _launch.TUNE_BENCH_MS]
     assert _launch.STEP_BENCH_MS[1] < _launch.TUNE_BENCH_MS[1]
+
+
+def test_retuning_times_each_key_once_a_block(monkeypatch, tmp_path):
+    """``muon-offload tune`` (retuning): a key timed in the block is not timed again in it
+    (the first step's compile pass times it, the step would again); a new block times it."""
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    monkeypatch.setattr(tuning, "TUNER", tuner)
+    configs = [_launch.Config(block=256), _launch.Config(block=512)]
+    timed = []
+
+    def bench(config):
+        timed.append(config)
+        return float(config.block)
+
+    dev = torch.device("cuda")
+    tuner.choose("k", ("x",), configs, configs[0], dev, bench)  # decided, cached
+    for _ in range(2):
+        timed.clear()
+        with tuning.retuning():
+            for _ in range(2):
+                assert tuner.choose("k", ("x",), configs, configs[0], dev, bench) == configs[0]
+        assert timed == configs
