@@ -226,15 +226,19 @@ def test_tuning_never_applies_to_the_parameters(monkeypatch):
     """A tuner that times every candidate (twice each, as on a GPU): the parameters still get
     the step once, and the fused launch asks for the unfused launch's decision (its key: the
     config sets the order of the sums, so the bits)."""
-    u, params = _case((2, 24, 40), F32, F32, "cpu", seed=5)
+    # 80 columns: the apply's products span more than one smallest tile, so they are timed
+    # (a product one tile covers hands the tuner no bench: shape_classes.worth_timing).
+    u, params = _case((2, 24, 80), F32, F32, "cpu", seed=5)
     scalars, before = _scalars("cpu"), [p.clone() for p in params]
-    keys = []
+    keys, timed = [], []
 
     class TimingTuner:
         def choose(self, kernel, key, configs, interpreter_config, device, bench, force=False):
             keys.append(key)
-            bench(interpreter_config)
-            bench(interpreter_config)
+            if bench is not None:
+                timed.append(kernel)
+                bench(interpreter_config)
+                bench(interpreter_config)
             return interpreter_config
 
         def choices(self, *args):  # outside a compile pass: the one config choose picks
@@ -249,6 +253,7 @@ def test_tuning_never_applies_to_the_parameters(monkeypatch):
     orthogonalize_apply_(u, None, params, scalars, products="triton_all")
     _assert_applied_once(params, want, before)
     assert keys == unfused_keys and len(keys) == 5
+    assert "poly_apply" in timed
 
 
 @pytest.mark.parametrize(
