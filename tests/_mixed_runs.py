@@ -20,7 +20,7 @@ def mixed_run(init, muon: int, adamw: int, seed: int, *, steps: int = 4, schedul
     ]
     opt = Muon(groups, lr=0.02, weight_decay=0.05, **kwargs)
     if scheduler is not None:
-        opt._scheduler = scheduler
+        opt._streams.scheduler = scheduler
     for s in range(steps):
         gen = torch.Generator().manual_seed(seed + s)
         for p in params:

@@ -65,7 +65,7 @@ def test_dropped_state_goes_back_into_its_own_bytes():
                 assert _addresses(opt, params) == where, s
         runs.append((params, opt))
     (offloaded, o_opt), (resident, r_opt) = runs
-    assert o_opt.host_state_bytes > 0 and len(o_opt._streamed) == len(SHAPES)
+    assert o_opt.host_state_bytes > 0 and len(o_opt._store.streamed) == len(SHAPES)
     for a, b in zip(offloaded, resident, strict=True):
         assert torch.equal(a, b)
         for key in o_opt.state[a]:

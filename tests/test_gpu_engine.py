@@ -39,7 +39,7 @@ def test_offloaded_equals_resident_bitwise_over_50_steps():
     same = dict(chunk_bytes=2 << 20, resident_chunk_bytes=2 << 20)
     resident, r_opt = _run(init, 50, **same)
     offloaded, o_opt = _run(init, 50, offload=True, **same)
-    assert len(o_opt._streamed) == len(init)
+    assert len(o_opt._store.streamed) == len(init)
     plan = next(iter(o_opt._plans.values()))[0]
     assert len(plan.chunks) > 10  # the staging arena wraps many times per step
     for a, b in zip(offloaded, resident, strict=True):
@@ -120,7 +120,7 @@ def test_state_dict_of_bench_workload_adds_no_gpu_memory():
     assert torch.cuda.memory_allocated() == allocated
     assert torch.cuda.memory_reserved() == reserved
 
-    slabs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in opt._host.slabs]
+    slabs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in opt._store.host.slabs]
     tensors = [t for values in sd["state"].values() for t in values.values() if torch.is_tensor(t)]
     nbytes = 0
     for t in tensors:
@@ -164,7 +164,7 @@ def test_dtensor_state_stays_in_host_slabs():
             for opt in opts:
                 opt.step()
         torch.cuda.synchronize()
-        slabs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in opts[1]._host.slabs]
+        slabs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in opts[1]._store.host.slabs]
         for p, d in zip(plain, shards, strict=True):
             assert torch.equal(d.to_local(), p)
             state = opts[1].state[d]["momentum"]
@@ -201,7 +201,9 @@ def _run_side(init, split, side_lane, transposed, graph=False, steps=50, **kwarg
         dict(params=params[a:], algorithm="lion", lr=1e-4),
     ]
     opt = Muon(groups, lr=0.02, cuda_graph=graph, **kwargs)
-    opt._scheduler = StreamScheduler(params[0].device, side_lane=side_lane)  # kept by step()
+    opt._streams.scheduler = StreamScheduler(
+        params[0].device, side_lane=side_lane
+    )  # kept by step()
     for p in params:
         p.grad = torch.empty_like(p)
     if transposed:
@@ -220,7 +222,7 @@ def _run_side(init, split, side_lane, transposed, graph=False, steps=50, **kwarg
         # for would be missing from the sums.
         sums.append(torch.stack([p.sum(dtype=torch.float64) for p in params]))
     torch.cuda.synchronize()
-    assert opt._scheduler.side_lane == side_lane
+    assert opt._streams.scheduler.side_lane == side_lane
     return params, opt, torch.stack(sums)
 
 
@@ -244,7 +246,7 @@ def test_side_stream_offloaded_equals_resident_bitwise_over_50_steps(state_dtype
         _run_side(init, split, side_lane=True, **same),
         _run_side(init, split, side_lane=True, graph=graph, offload=True, **same),
     ]
-    sched = runs[1][1]._scheduler
+    sched = runs[1][1]._streams.scheduler
     plan = next(iter(runs[1][1]._plans.values()))[0]
     kinds = "".join("e" if side else "M" for side in sched._on_side)
     assert kinds.count("M") >= 8 and re.search("Me+M", kinds), kinds  # side chunks between

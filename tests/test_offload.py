@@ -51,7 +51,7 @@ def test_offloaded_equals_resident_bitwise(dtype, nesterov, chunk_bytes):
     offloaded = _run(init, nesterov=nesterov, offload=True, chunk_bytes=chunk_bytes)
     assert_bitwise(offloaded, resident)
     # State really is in the host slabs, not beside them.
-    slab_ptrs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in offloaded[1]._host.slabs]
+    slab_ptrs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in offloaded[1]._store.host.slabs]
     for p in offloaded[0]:
         for t in offloaded[1].state[p].values():
             assert any(lo <= t.data_ptr() < hi for lo, hi in slab_ptrs)
@@ -65,7 +65,7 @@ def test_partial_offload_equals_resident_bitwise(resident_bytes):
         kwargs.pop("resident_bytes")
     partial = _run(init, **kwargs)
     assert_bitwise(partial, _run(init))
-    streamed = partial[1]._streamed
+    streamed = partial[1]._store.streamed
     if resident_bytes == STATE_BYTES:
         assert not streamed
     elif resident_bytes in (0, None):
@@ -315,7 +315,7 @@ def test_dropped_state_space_is_reused(how, resident_bytes):
     runs = []
     for kwargs in (dict(offload=True, chunk_bytes=3000, resident_bytes=resident_bytes), {}):
         params, opt = _run(init, steps=1, **kwargs)
-        held, streamed = opt.host_state_bytes, set(opt._streamed)
+        held, streamed = opt.host_state_bytes, set(opt._store.streamed)
         for s in range(4):
             _reset(opt, params, how)
             gen = torch.Generator().manual_seed(400 + s)
@@ -323,7 +323,7 @@ def test_dropped_state_space_is_reused(how, resident_bytes):
                 p.grad = torch.randn(p.shape, generator=gen)
             opt.step()
             assert opt.host_state_bytes == held
-            assert opt._streamed == streamed
+            assert opt._store.streamed == streamed
         runs.append((params, opt))
     assert runs[0][1].host_state_bytes > 0
     assert_bitwise(*runs)
@@ -379,16 +379,16 @@ def test_host_slabs_reuse_freed_ranges_in_order():
 
 def test_write_backs_are_waited_for_while_the_dropped_state_counts_as_streamed(monkeypatch):
     """Before dropped state's bytes are reused, the optimizer waits for the last step's
-    write-backs (``_synchronize``, a no-op unless some state is streamed): it must wait while
+    write-backs (``Streams.synchronize``, a no-op unless some state is streamed): it must wait while
     the dropped state still counts as streamed, or a full reset waits for nothing."""
     params, opt = _run(_init(torch.float32), steps=1, offload=True, chunk_bytes=3000)
-    streamed_when_waiting, wait = [], opt._synchronize
+    streamed_when_waiting, wait = [], opt._streams.synchronize
 
     def spy():
-        streamed_when_waiting.append(len(opt._streamed))
+        streamed_when_waiting.append(len(opt._store.streamed))
         wait()
 
-    monkeypatch.setattr(opt, "_synchronize", spy)
+    monkeypatch.setattr(opt._streams, "synchronize", spy)
     opt.state = defaultdict(dict)
     opt.step()
     assert streamed_when_waiting[:1] == [len(params)]

@@ -345,12 +345,12 @@ def test_add_param_group_offloaded_state_goes_to_host_slabs():
     opt = Muon([dict(params=params[:4])], offload=True, chunk_bytes=3000)
     _set_grads(params, 0)
     opt.step()
-    slabs_before = len(opt._host.slabs)
+    slabs_before = len(opt._store.host.slabs)
     opt.add_param_group(dict(params=params[4:], algorithm="adamw"))
     _set_grads(params, 1)
     opt.step()
-    assert len(opt._host.slabs) == slabs_before + 1
-    new_slab = opt._host.slabs[-1]
+    assert len(opt._store.host.slabs) == slabs_before + 1
+    new_slab = opt._store.host.slabs[-1]
     lo, hi = new_slab.data_ptr(), new_slab.data_ptr() + new_slab.numel()
     for p in params[4:]:
         for t in opt.state[p].values():

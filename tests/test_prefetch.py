@@ -85,7 +85,7 @@ def test_prefetch_then_step_equals_step_alone_bitwise(monkeypatch, state_dtype, 
     ahead = _loop(init, offload=True, chunk_bytes=chunk_bytes, between=between, **kwargs)
     assert issued == [False, True, True, True]  # nothing to prefetch before the first step
     # The last step's loads, ahead and in the run: each streamed chunk once.
-    assert loads.count == len(ahead[1]._scheduler._streamed)
+    assert loads.count == len(ahead[1]._streams.scheduler._streamed)
     assert_bitwise(ahead, alone)
     assert_bitwise(ahead, resident)
 
@@ -95,7 +95,7 @@ def test_prefetch_loads_the_chunks_that_fit_before_the_arena_wraps():
     all of them when the arena holds the whole step."""
     for chunk_bytes, some in ((3000, True), (1 << 30, False)):
         _, opt = _loop(_init(), steps=1, offload=True, chunk_bytes=chunk_bytes, backend="torch")
-        sched = opt._scheduler
+        sched = opt._streams.scheduler
         opt.prefetch()
         n, streamed = sched.ahead.loads, len(sched._streamed)
         assert n == sum(1 for a in sched.layout.issue_after if a < 0)
@@ -279,7 +279,7 @@ def _gpu_loop(
 @pytest.mark.parametrize("state_dtype", [None, torch.int8])
 def test_gpu_loop_with_prefetch_equals_loop_without_bitwise(state_dtype):
     ahead = _gpu_loop(True, state_dtype=state_dtype)
-    assert ahead[1]._scheduler.ahead.runs == 6
+    assert ahead[1]._streams.scheduler.ahead.runs == 6
     assert_bitwise(ahead, _gpu_loop(False, state_dtype=state_dtype))
     assert_bitwise(ahead, _gpu_loop(False, state_dtype=state_dtype, offload=False))
 

@@ -415,8 +415,8 @@ def test_mixed_chunk_sizes_in_flight_equal_resident_bitwise():
 
     off_params, off = run(offload=True, chunk_bytes=4000)
     res_params, res = run()
-    layout = off._scheduler.layout
-    sizes = off._scheduler._sizes
+    layout = off._streams.scheduler.layout
+    sizes = off._streams.scheduler._sizes
     assert len(set(sizes)) > 2, sizes
     # More chunks lie in the arena at once than a ring of three slots held.
     assert any(after < k - 3 for k, after in enumerate(layout.issue_after)), layout

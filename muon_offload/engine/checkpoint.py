@@ -240,7 +240,7 @@ class CheckpointMixin:
     step_count_key = "step"
 
     def state_dict(self) -> dict:
-        self._synchronize()
+        self._streams.synchronize()
         self._handed_scales.pull()  # scales loaded in place into the last state_dict()
         # 8-bit scales of DTensor parameters: as DTensors that distributed checkpoints shard.
         out = lay_out(self, super().state_dict())
@@ -275,7 +275,7 @@ class CheckpointMixin:
         )
         counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
         counts = loaded_counts(self.param_groups, saved_groups, saved_state, counted)
-        self._synchronize()
+        self._streams.synchronize()
         detach_aliases(loaded, self.state)
         self._follow_device(hypers)  # state made before the parameters moved moves first
         for p in check_live_layout(self, hypers):
@@ -305,11 +305,11 @@ class CheckpointMixin:
                 "an optimizer with a distributed mesh cannot be copied or pickled (process "
                 "groups are not picklable); save opt.state_dict() instead"
             )
-        self._synchronize()
+        self._streams.synchronize()
         self._handed_scales.pull()
         # The counts of parameters with state (one whose state was dropped starts afresh).
         counts = {p: self._counts.get(p) for _, p in self._params() if self.state.get(p)}
-        state = {**super().__getstate__(), "_settings": self._settings, "_step_counts": counts}
+        state = {**super().__getstate__(), "_settings": self._settings.now, "_step_counts": counts}
         if "algorithms" in vars(self):  # Muon's own (its orthogonalizer); AdamW's are its class's
             state["algorithms"] = self.algorithms
         return state

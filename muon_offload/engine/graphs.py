@@ -337,7 +337,7 @@ class GraphMixin:
         """The step's GPU work, the chunks through the scheduler (``side``: the chunks it may
         run on its side lane): run eagerly, or captured and replayed (``cuda_graph``; eager
         while ``timeline()`` records, and with ``"auto"`` where a graph cannot run)."""
-        sched = self._scheduler
+        sched = self._streams.scheduler
 
         def body() -> None:
             sched.run(transfers, update, side)
@@ -375,7 +375,7 @@ class GraphMixin:
     def _graphed(self, device: torch.device, closure: bool) -> bool:
         """Whether this step goes through ``StepGraphs`` (captured, replayed, or eager while
         its key settles)."""
-        if self.cuda_graph is False or self._timeline_marks is not None:
+        if self.cuda_graph is False or self._streams.marks is not None:
             return False
         if self.cuda_graph is True:
             return True  # refused before anything ran where it cannot capture

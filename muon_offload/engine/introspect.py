@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .timeline import stage_rows
 
+if TYPE_CHECKING:
+    from .settings import LiveSettings
+    from .state import StateStore
+    from .streams import Streams
 
-class ToolsSurface:
-    """Mixed into ``ChunkedOptimizer``; reads its store and scheduler."""
+
+class Tools:
+    """What tools read of an optimizer (its host slabs, the scheduler's arena, a timeline of
+    its chunks) and ``reconfigure``; the optimizer's public methods of those names are these.
+    """
+
+    def __init__(self, store: StateStore, streams: Streams, settings: LiveSettings, plans):
+        self._store, self._streams, self._settings, self._plans = store, streams, settings, plans
 
     @property
     def host_state_bytes(self) -> int:
@@ -23,13 +34,14 @@ class ToolsSurface:
     def host_buffers(self) -> list[Tensor]:
         """The host buffers (uint8) that hold streamed state, for reading it all at once (after
         the last step's write-backs landed)."""
-        self._synchronize()
+        self._streams.synchronize()
         return list(self._store.host.slabs) if self._store.host is not None else []
 
     @property
     def staging_bytes(self) -> int:
         """Bytes of the device staging arena (0 before the first offloaded step)."""
-        return self._scheduler.staging_bytes if self._scheduler is not None else 0
+        sched = self._streams.scheduler
+        return sched.staging_bytes if sched is not None else 0
 
     @contextlib.contextmanager
     def timeline(self) -> Iterator[list[dict]]:
@@ -43,12 +55,12 @@ class ToolsSurface:
         stream on a GPU; on the CPU the stages run one after another."""
         rows: list[dict] = []
         marks: list = []
-        self._timeline_marks = marks  # step() hands it to the scheduler
+        self._streams.marks = marks  # a step hands them to its scheduler (``Streams.for_step``)
         try:
             yield rows
         finally:
-            self._timeline_marks = None
-            sched = self._scheduler
+            self._streams.marks = None
+            sched = self._streams.scheduler
             if sched is not None:
                 sched.timeline = None
                 if sched.cuda:
@@ -62,16 +74,8 @@ class ToolsSurface:
         staging arena. State stays where it is; a budget left None keeps its value. Both are
         checked (``Settings.replace``) before either changes."""
         budgets = dict(chunk_bytes=chunk_bytes, resident_chunk_bytes=resident_chunk_bytes)
-        settings = self._changed_settings(**{k: v for k, v in budgets.items() if v is not None})
-        self._synchronize()
-        self._settings = settings
-        self._scheduler = None
+        settings = self._settings.changed(**{k: v for k, v in budgets.items() if v is not None})
+        self._streams.synchronize()
+        self._settings.now = settings
+        self._streams.drop()
         self._plans.clear()
-
-    @property
-    def _host(self):  # the host slabs, for tests that check where state lives
-        return self._store.host
-
-    @property
-    def _streamed(self) -> set[Tensor]:
-        return self._store.streamed

@@ -38,20 +38,22 @@ from . import capture_rules, first_compile
 from .algorithm import Algorithm, Hyper, common_backends
 from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk, write_back
+from .delegated import Delegated
 from .grad_table import GradTable, grad_table
 from .graphs import GraphMixin, StepGraphs
 from .group_checks import check_param_dtypes, check_unique_params, listed_params
 from .interrupt import interrupted
-from .introspect import ToolsSurface
+from .introspect import Tools
 from .planner import ParamInfo, Plan, elementwise_only, plan_step
 from .prefetch import PrefetchMixin
 from .scalars import ScalarTable, scalar_table
-from .scheduler import StreamScheduler, Transfer
-from .settings import Settings, SettingsMixin
+from .scheduler import Transfer
+from .settings import LiveSettings, Setting, Settings
 from .sharded_scales import HandedScales
 from .state import StateMixin, StateStore
 from .step_counts import StepCounts, split_by_count
 from .step_work import StepWork, step_work
+from .streams import Streams
 from .transfer import plan_transfers
 
 log = logging.getLogger(__name__)
@@ -84,13 +86,28 @@ class PlanCache(dict[tuple, PlanEntry]):
         super().clear()
 
 
-class ChunkedOptimizer(
-    SettingsMixin, StateMixin, CheckpointMixin, ToolsSurface, PrefetchMixin, GraphMixin, Optimizer
-):
+class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
     algorithms: dict[str, Algorithm] = {}
+
+    # The settings it was built with, as attributes (``prefetch`` is the method; its setting
+    # is ``Settings.prefetch``); assigned, checked as the constructor's were.
+    offload = Setting()
+    chunk_bytes = Setting()
+    resident_chunk_bytes = Setting()
+    resident_bytes = Setting()
+    state_dtype = Setting()
+    backend = Setting()
+    cuda_graph = Setting()
+
+    # What tools read, and new chunk budgets (``introspect.Tools``).
+    host_state_bytes = Delegated("_tools", Tools.host_state_bytes)
+    host_buffers = Delegated("_tools", Tools.host_buffers)
+    staging_bytes = Delegated("_tools", Tools.staging_bytes)
+    timeline = Delegated("_tools", Tools.timeline)
+    reconfigure = Delegated("_tools", Tools.reconfigure)
 
     def __init__(
         self,
@@ -117,7 +134,8 @@ class ChunkedOptimizer(
         self._mesh = mesh
         self._group_meshes: dict[int, Mesh] = {}
         self._agreements = StepAgreements()  # filled in __init__ and add_param_group
-        self._settings = settings  # read as attributes: opt.chunk_bytes, ... (SettingsMixin)
+        # Read as attributes (opt.chunk_bytes, ...), and by the collaborators, as they are now.
+        self._settings = LiveSettings(settings, common_backends(self.algorithms.values()))
         self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
         self._ungraphed_steps = 0  # steps run eagerly outside ``_graphs`` (graph_stats)
         # Why "auto" keeps every step eager (a gloo mesh, DTensors on one), None if nothing.
@@ -126,15 +144,15 @@ class ChunkedOptimizer(
         # cleared whenever state is created or loaded and when the budgets change.
         self._plans = PlanCache()
         self._store = StateStore()
+        self._streams = Streams(self._store)  # the scheduler, made for the step's device
+        self._tools = Tools(self._store, self._streams, self._settings, self._plans)
         self._counts = StepCounts()  # each parameter's count of the steps that updated it
         self._handed_scales = HandedScales()  # 8-bit rows state_dict() copied (sharded_scales)
         self._policy = self.state_policy(settings.state_dtype)
-        self._scheduler: StreamScheduler | None = None
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
         self._grad_table: GradTable | None = None  # the step's gradient addresses (Triton path)
         self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
-        self._timeline_marks: list | None = None  # set inside ``timeline()``
 
     # ----------------------------------------------------------------- groups
 
@@ -227,7 +245,7 @@ class ChunkedOptimizer(
             return found[1][:4]
         self._check_fits(work, hypers)  # state of the shapes the algorithm gives
         infos = [
-            self._param_info(i, gi, p, hypers[gi], p not in self._streamed, grad_dtype)
+            self._param_info(i, gi, p, hypers[gi], p not in self._store.streamed, grad_dtype)
             for i, ((gi, p), grad_dtype) in enumerate(zip(work, work.grad_dtypes, strict=True))
         ]
         infos = split_by_count(infos, classes)  # a unit's parameters share one step count
@@ -283,9 +301,7 @@ class ChunkedOptimizer(
         counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
         slots, counts, classes = self._counts.for_step(_which(work), work.params, counted)
         plan, transfers, layouts, side = self._plan(work, hypers, classes)
-        if self._scheduler is None or self._scheduler.device != device:
-            self._scheduler = StreamScheduler(device)
-        self._scheduler.timeline = self._timeline_marks
+        self._streams.for_step(device)
         steps = [g["step"] + 1 for g in self.param_groups]
         # The kernels' scalars (this step's counts) on the device, before the counts advance.
         self._scalars = scalar_table(self._scalars, self.algorithms, self.backend, device)

@@ -21,8 +21,8 @@ beside them, the first loads and the last stores, so:
   event recorded before it). The scheduler keeps an event
   for each store stream; the next run's loads and any prefetch wait for them (``wait_stores``),
   and whatever reads host state or gives staging bytes back waits on the host (``finish``, the
-  optimizer's ``_synchronize``: ``state_dict``, copies and saves, ``load_state_dict``, state
-  dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
+  optimizer's ``Streams.synchronize``: ``state_dict``, copies and saves, ``load_state_dict``,
+  state dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
   every stream into the capturing one, as CUDA requires, and takes no load ``issue`` queued.
 - With graphs in use, a step that streams state is captured as three graphs
   (``graph_ends.py``): a head graph of the loads ``issue`` would queue, which ``prefetch()``
@@ -183,8 +183,8 @@ class PrefetchMixin:
         graph of the last step's plan is held (while one is, its head graph is replayed:
         graph_ends.py), and while 8-bit scales handed out by ``state_dict()`` may still be
         written into (they are copied in at the next step)."""
-        sched, last = self._scheduler, self._plans.last
-        if sched is None or last is None or not self._streamed or self._handed_scales.held:
+        sched, last = self._streams.scheduler, self._plans.last
+        if sched is None or last is None or not self._store.streamed or self._handed_scales.held:
             return False
         _, transfers, _, side, _ = last[1]
         if self._graphs_in_use(sched.device):
@@ -204,19 +204,12 @@ class PrefetchMixin:
     def _run_step(self, *args, **kwargs) -> None:
         """The step's GPU work (``GraphMixin._run_step``). Its stores are left running only
         while no graph is in use: a replay's loads, captured, would not wait for them."""
-        sched = self._scheduler
+        sched = self._streams.scheduler
         sched.ahead.leave = not self._graphs_in_use(sched.device)
         super()._run_step(*args, **kwargs)
 
-    def _synchronize(self) -> None:
-        """Wait for in-flight write-backs (and loads), so host state can be read by the CPU:
-        a step leaves its stores running (``leave_stores``)."""
-        sched = self._scheduler
-        if self._streamed and sched is not None and sched.cuda:
-            finish(sched)
-
     def _grad_ready(self) -> None:
-        sched = self._scheduler
+        sched = self._streams.scheduler
         if sched is not None and sched.ahead.runs != self._prefetched_run:
             self._prefetched_run = sched.ahead.runs
             self.prefetch()
@@ -224,7 +217,7 @@ class PrefetchMixin:
     def _hook_prefetch(self) -> None:
         """With ``prefetch`` and offloaded state: hook every parameter not hooked yet that
         takes gradients. The hooks hold the optimizer weakly and go when it does."""
-        if not (self.offload and self._settings.prefetch):
+        if not (self.offload and self._settings.now.prefetch):
             return
         if "_prefetch_hooks" not in vars(self):
             self._prefetch_hooks, self._hooked = [], set()

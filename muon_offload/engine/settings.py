@@ -13,7 +13,7 @@ from typing import TypedDict
 
 import torch
 
-from .algorithm import BACKENDS, common_backends
+from .algorithm import BACKENDS
 
 # The fastest offloaded step for fp32 state in the chunk-size sweep on the H200, within 1% of
 # the best for bf16 (docs/benchmarks.md, "Choosing chunk_bytes").
@@ -150,35 +150,33 @@ class Settings:
         return Settings.check(**{**vars(self), **changes}, backends=backends)
 
 
+class LiveSettings:
+    """The optimizer's settings as they are now, one object that the optimizer and the
+    collaborators reading them each step share: the constructor's, replaced only by what
+    ``changed`` returns (``reconfigure``, an assigned ``opt.chunk_bytes``)."""
+
+    def __init__(self, settings: Settings, backends: Sequence[str]) -> None:
+        self.now = settings
+        self.backends = tuple(backends)  # the ``backend`` settings every algorithm takes
+
+    def changed(self, **changes) -> Settings:
+        """The settings with ``changes``, checked as the constructor's were; not kept."""
+        return self.now.replace(self.backends, **changes)
+
+
 class Setting:
-    """An optimizer attribute (``opt.chunk_bytes``) that is its ``Settings``' field: read from
-    ``_settings``; assigned, it replaces them through the checks (``Settings.replace``)."""
+    """An optimizer attribute (``opt.chunk_bytes``) that is its settings' field: read from
+    ``opt._settings.now`` (``LiveSettings``); assigned, it replaces them through the checks
+    (``Settings.replace``). ``prefetch`` is a method; its setting is ``Settings.prefetch``."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
 
     def __get__(self, opt, owner=None):
-        return self if opt is None else getattr(opt._settings, self.name)
+        return self if opt is None else getattr(opt._settings.now, self.name)
 
     def __set__(self, opt, value) -> None:
-        opt._settings = opt._changed_settings(**{self.name: value})
-
-
-class SettingsMixin:
-    """Mixed into ``ChunkedOptimizer``: the settings it was built with (``_settings``), as
-    attributes. ``prefetch`` is the method; its setting is ``_settings.prefetch``."""
-
-    offload = Setting()
-    chunk_bytes = Setting()
-    resident_chunk_bytes = Setting()
-    resident_bytes = Setting()
-    state_dtype = Setting()
-    backend = Setting()
-    cuda_graph = Setting()
-
-    def _changed_settings(self, **changes) -> Settings:
-        """The settings with ``changes``, checked as the constructor's were."""
-        return self._settings.replace(common_backends(self.algorithms.values()), **changes)
+        opt._settings.now = opt._settings.changed(**{self.name: value})
 
 
 def takes_settings(cls):

@@ -222,7 +222,7 @@ class StateMixin:
         self._follow_device(hypers, device)
         store = self._store
         dicts = store.index.dicts(self.state, work.params)
-        if store.held.adopt(dicts, work.params, store.streamed, self._synchronize):
+        if store.held.adopt(dicts, work.params, store.streamed, self._streams.synchronize):
             self._plans.clear()  # their layouts and transfers name the replaced tensors
         self._ensure_state(hypers, work)
         self._store.pristine.clear()
@@ -242,7 +242,7 @@ class StateMixin:
             return
         old = {p: values for _, p in self._params() if (values := self.state.get(p))}
         counts = {p: self._counts.get(p) for p in old}
-        self._synchronize()
+        self._streams.synchronize()
         for p in old:
             self.state[p] = {}  # missing: ``_ensure_state`` forgets it and creates it afresh
         store.host, store.devices = None, set()  # new slabs, pinned as ``device`` needs
@@ -274,8 +274,8 @@ class StateMixin:
         dropped = [p for _, p in missing if p in store.formats]
         if dropped:
             # No write-back may land in bytes about to be reused (while the store still knows
-            # that state is streamed: ``_synchronize`` waits only then).
-            self._synchronize()
+            # that state is streamed: ``Streams.synchronize`` waits only then).
+            self._streams.synchronize()
             store.forget(dropped)
         for i, (gi, p) in enumerate(missing):
             nbytes = self._plan_bytes(p, hypers[gi])

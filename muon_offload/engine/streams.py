@@ -1,0 +1,43 @@
+"""The optimizer's stream scheduler (``scheduler.py``): made for the device a step runs on,
+dropped when the chunk budgets change (they size its staging arena), and the host's wait for
+what a step left running on its streams (``prefetch.py``: the stores under the next forward).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .prefetch import finish
+from .scheduler import StreamScheduler
+
+if TYPE_CHECKING:
+    from .state import StateStore
+
+
+class Streams:
+    """Holds the scheduler the steps run through, and what ``timeline()`` records into."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store  # whose state is streamed: only then is there anything to wait for
+        self.scheduler: StreamScheduler | None = None
+        self.marks: list | None = None  # the chunk stages to record (``Tools.timeline``)
+
+    def for_step(self, device: torch.device) -> StreamScheduler:
+        """The scheduler of a step on ``device`` (a new one if the device changed)."""
+        if self.scheduler is None or self.scheduler.device != device:
+            self.scheduler = StreamScheduler(device)
+        self.scheduler.timeline = self.marks
+        return self.scheduler
+
+    def synchronize(self) -> None:
+        """Wait for in-flight write-backs (and loads), so host state can be read by the CPU:
+        a step leaves its stores running (``prefetch.leave_stores``)."""
+        sched = self.scheduler
+        if self._store.streamed and sched is not None and sched.cuda:
+            finish(sched)
+
+    def drop(self) -> None:
+        """Forget the scheduler (new budgets): the next step sizes a new staging arena."""
+        self.scheduler = None
