@@ -39,6 +39,7 @@ from ._capture import CaptureMiss, capturing
 from ._tables import (  # noqa: F401  (re-exported: the launchers import them from here)
     ALIGN_BYTES,
     TABLES,
+    Memo,
     TableCache,
     all_aligned,
     check_lists,
@@ -90,6 +91,13 @@ def launch_batched(kernel, programs: int, batch: int, tensors: tuple, *args, **k
     matrix (the kernels' ``b_start``), then ``args`` and ``kwargs``."""
     for start, size in batch_slices(batch):
         kernel[(programs, size)](*tensors, start, *args, **kwargs)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of the launchers' sizes: ``triton.cdiv`` called from host code is a
+    ``constexpr_function`` (triton 3.5 on) that unwraps its arguments as a kernel's would,
+    a few microseconds a launch."""
+    return -(-a // b)
 
 
 def bucket(n: int) -> int:

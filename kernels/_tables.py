@@ -121,5 +121,21 @@ class TableCache:
 TABLES = TableCache()
 
 
+class Memo(dict):
+    """What launches decide from their arguments' metadata (a plan, a descriptor's fields),
+    keyed by all it depends on; emptied when it holds ``capacity`` keys (a step's keys come
+    back at once after that)."""
+
+    def __init__(self, capacity: int = 4096):
+        super().__init__()
+        self.capacity = capacity
+
+    def put(self, key, value):
+        if len(self) >= self.capacity:
+            self.clear()
+        self[key] = value
+        return value
+
+
 def all_aligned(lists: Sequence[Sequence[Tensor]]) -> bool:
     return all(t.data_ptr() % ALIGN_BYTES == 0 for tensors in lists for t in tensors)

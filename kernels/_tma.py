@@ -77,10 +77,32 @@ def tma_layout(t: Tensor) -> bool | None:
     return transposed
 
 
+# Descriptors' fields by what they are made of (dtype, shape, strides, box), without their
+# base: ``TensorDescriptor`` validates its fields at construction (alignment, strides, box),
+# which a steady step's ~800 descriptors a step did again for the same shapes. The base
+# tensor is never held here (it would keep its memory alive).
+_DESCRIPTORS: dict[tuple, dict] = {}
+_DESCRIPTORS_MAX = 4096
+
+
 def tensor_descriptor(t: Tensor, transposed: bool, block: tuple[int, int]):
     """A host TMA descriptor of t [B, R, C] as laid out (of ``t.mT`` when ``transposed``), its
     box [1, *block] in that physical order. A host object, passed by value at launch: nothing
-    is allocated on the device, so launches with it can be captured in a CUDA graph."""
+    is allocated on the device, so launches with it can be captured in a CUDA graph. The fields
+    validated for a key (its base's alignment among them) are copied to the next descriptor
+    of that key, with its own base."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(t.mT if transposed else t, [1, *block])
+    base = t.mT if transposed else t
+    key = (t.dtype, t.shape, t.stride(), transposed, block, t.data_ptr() % 16)
+    fields = _DESCRIPTORS.get(key)
+    if fields is None:
+        made = TensorDescriptor.from_tensor(base, [1, *block])
+        if len(_DESCRIPTORS) >= _DESCRIPTORS_MAX:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = {**vars(made), "base": None}
+        return made
+    made = object.__new__(TensorDescriptor)
+    made.__dict__.update(fields)
+    made.base = base
+    return made

@@ -21,6 +21,8 @@ order (K steps of ``chunk``, fp32).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -28,8 +30,10 @@ from ._launch import (
     FP_FUSION,
     TUNER,
     Config,
+    Memo,
     bench_ms,
     bucket,
+    cdiv,
     dtype_name,
     launch_batched,
     tuning_batch,
@@ -151,7 +155,7 @@ def _launch(
         _launch_tma(x, w, y, out, alpha, beta, diag, symmetrize, config, scale)
         return
     batch, m, k = x.shape
-    tiles = triton.cdiv(m, config.block)
+    tiles = cdiv(m, config.block)
     y_arg, args, constexprs = epilogue_args(y, out, alpha, beta, diag, symmetrize, scale)
     launch_batched(
         _sym_gram_kernel,
@@ -226,26 +230,9 @@ def sym_gram(
         out.diagonal(dim1=-2, dim2=-1).add_(diag)
         return out
     symmetrize = symmetrize or w is not None
-    tma = (
-        tma_enabled(x.device)
-        and tma_layout(x) is not None
-        and (w is None or tma_layout(w) is not None)
-    )
     # The config sets the order of the fp32 sums, so it depends on the shape and layout
     # only, never on the batch: a matrix gets the same bits in any batch.
-    m_class, k_class = shape_class(m), bucket(k)
-    key = (
-        dtype_name(x.dtype),
-        dtype_name(out.dtype),
-        m_class,
-        k_class,
-        x.stride(-1) == 1,  # rows contiguous, or a transposed view
-        None if w is None else w.stride(-1) == 1,
-        y is not None,
-        symmetrize,
-        scale is not None,  # another compiled kernel (the scale's loads and multiply)
-        tma,
-    )
+    key, m_class, k_class = _tuning_key(x, w, y, out, symmetrize, scale is not None)
 
     def bench(config: Config) -> float:
         # Scratch inputs of the class's sizes and a batch fixed by them (same layouts), so the
@@ -258,7 +245,7 @@ def sym_gram(
         ss = None if scale is None else _scratch_scale(scale, n)
         return bench_ms(lambda: _launch(sx, sw, sy, so, alpha, beta, diag, symmetrize, config, ss))
 
-    configs = fitting(GRAM_CONFIGS if tma else GRAM_POINTER_CONFIGS, m_class)
+    configs = fitting(GRAM_CONFIGS if key[-1] else GRAM_POINTER_CONFIGS, m_class)
     w = x if w is None else w
     # Every candidate inside compiling_ahead (``Tuner.choices``): x's sizes, not the class's.
     timing = bench if worth_timing(m_class, m_class) else None
@@ -267,6 +254,51 @@ def sym_gram(
     ):
         _launch(x, w, y, out, float(alpha), float(beta), float(diag), symmetrize, config, scale)
     return out
+
+
+# ``_tuning_key``'s answers by what they depend on (the layouts of x and w among them:
+# whether TMA reads them), so that a launch of a known layout reads no more of it.
+_KEYS = Memo()
+
+
+def _tuning_key(x, w, y, out, symmetrize: bool, scaled: bool) -> tuple:
+    """(sym_gram's tuning key, m's class, k's class)."""
+    memo_key = (
+        x.shape[1:],
+        x.stride(),
+        x.dtype,
+        x.data_ptr() % 16,
+        x.device,
+        None if w is None else (w.stride(), w.data_ptr() % 16),
+        out.dtype,
+        y is not None,
+        symmetrize,
+        scaled,
+        os.environ.get("MUON_OFFLOAD_TMA"),  # tma_enabled's switch, read per call
+    )
+    found = _KEYS.get(memo_key)
+    if found is not None:
+        return found
+    tma = (
+        tma_enabled(x.device)
+        and tma_layout(x) is not None
+        and (w is None or tma_layout(w) is not None)
+    )
+    _, m, k = x.shape
+    m_class, k_class = shape_class(m), bucket(k)
+    key = (
+        dtype_name(x.dtype),
+        dtype_name(out.dtype),
+        m_class,
+        k_class,
+        x.stride(-1) == 1,  # rows contiguous, or a transposed view
+        None if w is None else w.stride(-1) == 1,
+        y is not None,
+        symmetrize,
+        scaled,  # another compiled kernel (the scale's loads and multiply)
+        tma,
+    )
+    return _KEYS.put(memo_key, (key, m_class, k_class))
 
 
 def _scratch_scale(scale: NormScale, batch: int) -> NormScale:

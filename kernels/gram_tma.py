@@ -8,7 +8,7 @@ also folds in the normalization's scale, ``HAS_SCALE``).
 
 from __future__ import annotations
 
-from ._launch import Config
+from ._launch import Config, cdiv
 from ._tma import persistent_grid, persistent_options, tensor_descriptor, tma_layout
 from ._triton import tl, triton
 from .normalize import NormScale, inverse_norm, scale_kernel_args
@@ -155,7 +155,7 @@ def _launch_tma(
 ) -> None:
     """``_launch`` on the persistent TMA kernel (x and w: ``tma_layout`` not None)."""
     batch, m, k = x.shape
-    tiles_side = triton.cdiv(m, config.block)
+    tiles_side = cdiv(m, config.block)
     items = batch * tiles_side * (tiles_side + 1) // 2
     x_t, w_t = tma_layout(x), tma_layout(w)
     box = (config.block, config.chunk)

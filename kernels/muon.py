@@ -30,6 +30,7 @@ from ._launch import (
     all_aligned,
     bench_ms,
     bucket,
+    cdiv,
     check_lists,
     device_scalars,
     dtype_name,
@@ -292,7 +293,7 @@ def muon_prep(
 
 def _apply_launch(params, update, rows, cols, scalars, config: Config, cautious=False) -> None:
     batch = len(params)
-    tiles = triton.cdiv(rows, config.block_m) * triton.cdiv(cols, config.block)
+    tiles = cdiv(rows, config.block_m) * cdiv(cols, config.block)
     _muon_apply_kernel[(tiles, batch)](
         _table("muon_apply", (params,)),
         update,

@@ -29,6 +29,7 @@ from ._launch import (
     Config,
     bench_ms,
     bucket,
+    cdiv,
     dtype_name,
     interpreted,
     launch_batched,
@@ -128,7 +129,7 @@ def normalize(
     def launch(config: Config, target: Tensor) -> None:
         launch_batched(
             _normalize_kernel,
-            triton.cdiv(numel, config.chunk),
+            cdiv(numel, config.chunk),
             batch,
             (flat, target, sumsq),
             numel,

@@ -19,14 +19,18 @@ share), their configs candidates of one tuning key.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from ._launch import (
     TUNER,
     Config,
+    Memo,
     bench_ms,
     bucket,
+    cdiv,
     check_scalars,
     dtype_name,
     launch_batched,
@@ -169,7 +173,7 @@ def _launch(
         _launch_tma(poly, x, out, alpha, config, scale, apply)
         return
     batch, m, n = x.shape
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block)
     even = m % config.block_m == 0 and m % config.chunk == 0 and n % config.block == 0
     stride_pb, stride_pm, stride_pk = poly.stride()
     if stride_pk != 1 and stride_pm == 1:  # B = B^T: read it so that K stays contiguous
@@ -265,19 +269,9 @@ def poly_apply(
             t_lo, t_hi = _span(t)
             if lo < t_hi and t_lo < hi:
                 raise ValueError(f"out must not overlap {name}")
-    tma = tma_enabled(x.device) and tma_layout(x) is not None and tma_layout(poly) is not None
-    m_class, n_class = shape_class(m), bucket(n)
-    key = (
-        dtype_name(x.dtype),
-        dtype_name(out_dtype),
-        m_class,
-        n_class,
-        x.stride(-1) == 1,  # rows contiguous, or a transposed view
-        poly.stride(-1) == 1,
-        alpha != 0.0,
-        scale is not None,  # another compiled kernel (the scale's loads and multiply)
-        tma,
-    )  # never the batch: the config sets the order of the sums, so a matrix's bits
+    # Never the batch in the key: the config sets the order of the sums, so a matrix's bits
+    # would follow it.
+    key, m_class, n_class = _tuning_key(poly, x, out_dtype, alpha != 0.0, scale is not None)
     # Nor the apply: the fused launch takes the config that the unfused out gets, so its bits
     # are that out's (and the apply's) on any GPU; the bench never runs the apply.
 
@@ -294,7 +288,7 @@ def poly_apply(
     if x.element_size() > 2:
         configs = POLY_APPLY_FP32_CONFIGS
     else:
-        configs = POLY_APPLY_CONFIGS if tma else POLY_APPLY_POINTER_CONFIGS
+        configs = POLY_APPLY_CONFIGS if key[-1] else POLY_APPLY_POINTER_CONFIGS
     configs = fitting(configs, m_class, n_class)
     apply = apply_kernel_args(apply_to, out_dtype, x)
     # Every candidate inside compiling_ahead (``Tuner.choices``): the fused apply is a variant
@@ -309,6 +303,46 @@ def poly_apply(
     ):
         _launch(poly, x, x if out is None else out, float(alpha), config, scale, apply)
     return out
+
+
+# ``_tuning_key``'s answers by what they depend on (the layouts of poly and x among them:
+# whether TMA reads them), so that a launch of a known layout reads no more of it.
+_KEYS = Memo()
+
+
+def _tuning_key(poly, x, out_dtype, add_x: bool, scaled: bool) -> tuple:
+    """(poly_apply's tuning key, m's class, n's class)."""
+    memo_key = (
+        x.shape[1:],
+        x.stride(),
+        x.dtype,
+        x.data_ptr() % 16,
+        x.device,
+        poly.stride(),
+        poly.data_ptr() % 16,
+        out_dtype,
+        add_x,
+        scaled,
+        os.environ.get("MUON_OFFLOAD_TMA"),  # tma_enabled's switch, read per call
+    )
+    found = _KEYS.get(memo_key)
+    if found is not None:
+        return found
+    tma = tma_enabled(x.device) and tma_layout(x) is not None and tma_layout(poly) is not None
+    _, m, n = x.shape
+    m_class, n_class = shape_class(m), bucket(n)
+    key = (
+        dtype_name(x.dtype),
+        dtype_name(out_dtype),
+        m_class,
+        n_class,
+        x.stride(-1) == 1,  # rows contiguous, or a transposed view
+        poly.stride(-1) == 1,
+        add_x,
+        scaled,  # another compiled kernel (the scale's loads and multiply)
+        tma,
+    )
+    return _KEYS.put(memo_key, (key, m_class, n_class))
 
 
 def poly_apply_reference(

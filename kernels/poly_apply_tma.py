@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._launch import Config, triton_dtype
+from ._launch import Config, cdiv, triton_dtype
 from ._tma import persistent_grid, persistent_options, tensor_descriptor, tma_layout
 from ._triton import tl, triton
 from .muon_apply import ParamApply, apply_step
@@ -186,7 +186,7 @@ def _launch_tma(
 ) -> None:
     """``_launch`` on the persistent TMA kernel (poly and x: ``tma_layout`` not None)."""
     batch, m, n = x.shape
-    items = batch * triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block)
+    items = batch * cdiv(m, config.block_m) * cdiv(n, config.block)
     even = m % config.block_m == 0 and n % config.block == 0
     # B = B^T: a column-major poly is described as its transpose, rows contiguous.
     p_desc = tensor_descriptor(poly, tma_layout(poly), (config.block_m, config.chunk))

@@ -19,6 +19,7 @@ from ._launch import (
     TUNER,
     Config,
     bench_ms,
+    cdiv,
     dtype_name,
     scalar_arg,
     scratch_like,
@@ -203,7 +204,7 @@ def muon_prep8(
         codes = [torch.randint_like(c, -100, 100) for c in m_codes]
         scales = scratch_like(m_scales, positive=True)
         g = scratch_like(grads)
-        part = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+        part = torch.empty(batch, cdiv(numel, config.chunk), device=device)
         scratch_out = torch.empty_like(out)
         return bench_ms(
             lambda: _prep8_launch(codes, scales, g, None, mu, nesterov, scratch_out, part, config)
@@ -213,7 +214,7 @@ def muon_prep8(
     for config in TUNER.choices(
         "muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench
     ):
-        partial = torch.empty(batch, triton.cdiv(numel, config.chunk), device=device)
+        partial = torch.empty(batch, cdiv(numel, config.chunk), device=device)
         _prep8_launch(
             m_codes, m_scales, grads, grad_index, mu, bool(nesterov), out, partial, config
         )

@@ -26,13 +26,31 @@ def shape_class(n: int) -> int:
 TMA_MIN_ROWS = 512
 
 
+# fitting's answers by (id of the candidates, rows, cols), each beside the candidates it is
+# for (kept alive so that their id names them): a launch asks again for the same classes.
+_FITTING: dict[tuple, tuple] = {}
+
+
 def fitting(configs: Sequence[Config], rows: int, cols: int | None = None) -> tuple[Config, ...]:
     """The candidates worth timing for a product whose output tiles cover ``rows`` x ``cols``
     (classes): tiles at most the class's size in each dimension (at least 64, the smallest
     tile), TMA kernels only from TMA_MIN_ROWS rows. Never empty: the smallest-tiled
     candidates are kept when none fits."""
     cols = rows if cols is None else cols
+    if not isinstance(configs, tuple):  # a list may change: nothing kept for it
+        return _fitting(configs, rows, cols)
+    key = (id(configs), rows, cols)
+    hit = _FITTING.get(key)
+    if hit is not None and hit[0] is configs:
+        return hit[1]
+    kept = _fitting(configs, rows, cols)
+    if len(_FITTING) >= 1024:
+        _FITTING.clear()
+    _FITTING[key] = (configs, kept)
+    return kept
 
+
+def _fitting(configs: Sequence[Config], rows: int, cols: int) -> tuple[Config, ...]:
     def fits(c: Config) -> bool:
         tile_rows = c.block_m or c.block
         return (

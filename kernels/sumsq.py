@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._launch import interpreted, launch_batched
+from ._launch import cdiv, interpreted, launch_batched
 from ._triton import tl, triton
 
 SUMSQ_BLOCK = 2048
@@ -83,7 +83,7 @@ def _sum_rows_kernel(partial, out, groups, LANES: tl.constexpr, LOG2_LANES: tl.c
 
 
 def groups_for(numel: int) -> int:
-    return triton.cdiv(numel, SUMSQ_CHUNK)
+    return cdiv(numel, SUMSQ_CHUNK)
 
 
 def sum_partials(partial: Tensor, out: Tensor) -> Tensor:

@@ -1,0 +1,54 @@
+"""What a launcher keeps between launches from its arguments' metadata (candidate configs, TMA
+descriptors' validated fields, launch plans) gives what computing it again gives, follows the
+metadata it depends on, and keeps every error of bad input."""
+
+import dataclasses
+
+import pytest
+import torch
+from muon_offload.kernels import _tma, shape_classes
+from muon_offload.kernels.gram import GRAM_CONFIGS
+from muon_offload.kernels.poly_apply import POLY_APPLY_CONFIGS
+
+descriptor = pytest.importorskip("triton.tools.tensor_descriptor")
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(64, None), (384, None), (2048, None), (128, 4096)])
+def test_fitting_kept_equals_computed(rows, cols):
+    for configs in (GRAM_CONFIGS, POLY_APPLY_CONFIGS):
+        first = shape_classes.fitting(configs, rows, cols)
+        again = shape_classes.fitting(configs, rows, cols)
+        assert again == first == shape_classes._fitting(configs, rows, cols or rows)
+        # A list (which may change) is never answered from what was kept for a tuple.
+        assert shape_classes.fitting(list(configs[:1]), rows, cols) == configs[:1]
+
+
+def _fields(d):
+    return {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "base"}
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_descriptor_from_kept_fields_equals_a_new_one(transposed):
+    _tma._DESCRIPTORS.clear()
+    block = (64, 32)
+    for step in range(3):  # a new tensor each time, of one layout: the kept fields, its base
+        t = torch.randn(2, 128, 96, dtype=torch.bfloat16)
+        t = t.mT.contiguous().mT if transposed else t
+        assert _tma.tma_layout(t) is transposed
+        made = _tma.tensor_descriptor(t, transposed, block)
+        fresh = descriptor.TensorDescriptor.from_tensor(t.mT if transposed else t, [1, *block])
+        assert type(made) is type(fresh)
+        assert _fields(made) == _fields(fresh)
+        assert made.base.data_ptr() == t.data_ptr()
+        assert made.base.shape == fresh.base.shape and made.base.stride() == fresh.base.stride()
+        assert len(_tma._DESCRIPTORS) == 1, step
+
+
+def test_descriptor_of_a_misaligned_base_still_raises():
+    _tma._DESCRIPTORS.clear()
+    flat = torch.randn(2 * 64 * 64 + 8, dtype=torch.bfloat16)
+    good = flat[:-8].view(2, 64, 64)
+    _tma.tensor_descriptor(good, False, (64, 64))
+    shifted = flat[1:-7].view(2, 64, 64)  # same shape and strides, base 2 bytes off
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        _tma.tensor_descriptor(shifted, False, (64, 64))
