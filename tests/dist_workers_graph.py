@@ -25,9 +25,9 @@ def rule_decisions(rank, world, port):
     mesh = init(rank, world, port)
     params, groups = build(mesh, True)
     opt = Muon(groups, distributed_mesh=mesh, lr=0.02)
-    assert opt._graph_blocker == (
+    assert opt._graphing.blocker == (
         "a distributed_mesh whose CUDA collectives run through gloo (not NCCL)"
-    ), opt._graph_blocker
+    ), opt._graphing.blocker
     # A DTensor group without a distributed_mesh (AdamW: no collective of the optimizer's),
     # on the gloo mesh: still blocked, by its parameters' mesh.
     dt = [p for p in params if isinstance(p, DTensor)][-1:]
@@ -44,7 +44,7 @@ def rule_decisions(rank, world, port):
         across = capture_rules.group_blocker(dict(params=dt), mesh.get_group(), True)
         assert across is None
         params, groups = build(mesh, True)
-        auto = Muon(groups, distributed_mesh=mesh, lr=0.02)._graph_blocker
+        auto = Muon(groups, distributed_mesh=mesh, lr=0.02)._graphing.blocker
         assert auto == (
             f"a distributed_mesh of {world} processes (cuda_graph=True captures their collectives)"
         ), auto
@@ -86,9 +86,9 @@ def dtensor_key(rank, world, port):
             pass
 
     graphs.step_key = spy
-    opt._graphs = graphs.StepGraphs(torch.device("cpu"), new_graph=RunsAtCapture)
+    opt._graphing.graphs = graphs.StepGraphs(torch.device("cpu"), new_graph=RunsAtCapture)
     opt.cuda_graph = "auto"
-    opt._graph_blocker = None  # the gloo mesh stands in for NCCL's
+    opt._graphing.blocker = None  # the gloo mesh stands in for NCCL's
     auto = capture_rules.auto_blocker
     capture_rules.auto_blocker = lambda device, backend, algorithms: None  # the CPU for CUDA
     try:
@@ -128,8 +128,8 @@ def replay_equals_eager(rank, world, port):
         params, groups = build(mesh, True)
         opt = Muon(groups, distributed_mesh=mesh, lr=0.02, backend="triton", cuda_graph=False)
         if graphed:
-            opt._graphs = graphs.StepGraphs(torch.device("cpu"), new_graph=RecordingGraph)
-            opt.cuda_graph, opt._graph_blocker = "auto", None  # gloo stands in for NCCL
+            opt._graphing.graphs = graphs.StepGraphs(torch.device("cpu"), new_graph=RecordingGraph)
+            opt.cuda_graph, opt._graphing.blocker = "auto", None  # gloo stands in for NCCL
         pair.append((params, opt))
     last = rank == world - 1
     try:

@@ -71,7 +71,7 @@ def _muon(params, graphed, monkeypatch=None, made=None, fail=False, **kw):
             made.append(FakeGraph(fail))
             return made[-1]
 
-        opt._graphs = StepGraphs(torch.device("cpu"), new_graph)
+        opt._graphing.graphs = StepGraphs(torch.device("cpu"), new_graph)
     return opt
 
 
@@ -384,7 +384,7 @@ def test_auto_stays_eager_with_a_gloo_mesh(monkeypatch):
         "a distributed_mesh of 2 processes (cuda_graph=True captures their collectives)"
     )
     assert capture_rules.group_blocker({"params": []}, two, across_processes=True) is None
-    opt._graph_blocker = why  # what a gloo mesh or a DTensor group on one sets
+    opt._graphing.blocker = why  # what a gloo mesh or a DTensor group on one sets
     for s in range(4):
         _grads(params, s)
         opt.step()

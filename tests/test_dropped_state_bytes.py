@@ -110,7 +110,7 @@ def test_state_dropped_under_a_captured_graph(monkeypatch):
         opt = Muon(groups, lr=0.02, backend="triton", offload=True, chunk_bytes=6000)
         opt.cuda_graph = graphed
         if graphed:
-            opt._graphs = StepGraphs(
+            opt._graphing.graphs = StepGraphs(
                 torch.device("cpu"), lambda: made.append(RecordingGraph()) or made[-1]
             )
         pair.append((opt, params))

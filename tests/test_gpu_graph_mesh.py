@@ -74,7 +74,7 @@ def _local(t):
 def test_mesh_steps_replay_equal_to_eager(mesh, kw, with_mesh_group):
     graphed, opt_g = _make(mesh, "auto", with_mesh_group, **kw)
     eager, opt_e = _make(mesh, False, with_mesh_group, **kw)
-    assert opt_g._graph_blocker is None
+    assert opt_g._graphing.blocker is None
     steps, base = 7, [g["lr"] for g in opt_g.param_groups]
     for s in range(steps):
         for params, opt in ((graphed, opt_g), (eager, opt_e)):

@@ -74,7 +74,7 @@ def test_split_replays_with_prefetch_equal_the_eager_step_bitwise(monkeypatch, s
     # Heads: at 1 (the capture's replay), 2, 3, and 4's prefetch (dropped at the step); at 5,
     # 6's prefetch, and 7 (the eager step 6 took the arena after it).
     assert [g.replays for g in made] == [4, 3, 3, 3, 2, 2]
-    assert isinstance(opt._graphs.held, SplitStep)
+    assert isinstance(opt._graphing.graphs.held, SplitStep)
 
 
 class _StandInGraph:

@@ -37,7 +37,7 @@ def _muon(params, monkeypatch, made, graphed, **kw):
             made.append(RecordingGraph())
             return made[-1]
 
-        opt._graphs = StepGraphs(torch.device("cpu"), new_graph)
+        opt._graphing.graphs = StepGraphs(torch.device("cpu"), new_graph)
     return opt
 
 

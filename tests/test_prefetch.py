@@ -308,7 +308,7 @@ def test_gpu_graph_loop_with_prefetch_equals_loop_without_bitwise(
     ahead = _gpu_loop(True, cuda_graph=True, **kwargs)
     stats = ahead[1].graph_stats()
     assert (stats["captures"], stats["replays"], stats["off"]) == (1, 4, None), stats
-    assert isinstance(ahead[1]._graphs.held, SplitStep)
+    assert isinstance(ahead[1]._graphing.graphs.held, SplitStep)
     assert heads == [True, False, False, False, False]  # the capture's, then from backward
     assert_bitwise(ahead, _gpu_loop(False, **kwargs))
     assert_bitwise(ahead, _gpu_loop(False, cuda_graph=True, **kwargs))
@@ -321,7 +321,7 @@ def test_gpu_graph_state_dict_right_after_a_replay_is_final():
     from muon_offload.engine.graph_ends import SplitStep
 
     params, opt = _gpu_loop(True, check_state_dict=True, cuda_graph=True, width=96)
-    assert opt.graph_stats()["replays"] == 4 and isinstance(opt._graphs.held, SplitStep)
+    assert opt.graph_stats()["replays"] == 4 and isinstance(opt._graphing.graphs.held, SplitStep)
 
 
 def test_prefetched_loads_wait_for_the_last_stores_not_for_backward(monkeypatch):
@@ -377,7 +377,7 @@ def test_stores_are_left_running_only_while_no_graph_is_in_use(monkeypatch):
         init, 5, 2, seed=40, steps=2, scheduler=sched, offload=True, chunk_bytes=3000, **kwargs
     )
     assert sched.ahead.open and opt.prefetch()
-    opt._graphs = StepGraphs(torch.device("cpu"))  # in use: a replay may follow
+    opt._graphing.graphs = StepGraphs(torch.device("cpu"))  # in use: a replay may follow
     assert not opt.prefetch()
     _grads(params, 9)
     opt.step()
@@ -387,7 +387,7 @@ def test_stores_are_left_running_only_while_no_graph_is_in_use(monkeypatch):
         assert _before(stream.last, after), stream.name
     # Given up (cuda_graph=True too: its steps stay eager from then on): in use no more, so
     # prefetch() queues loads and the step leaves its stores running again.
-    opt._graphs.off = "given up"
+    opt._graphing.graphs.off = "given up"
     opt.cuda_graph = True
     assert opt.prefetch()
     opt.cuda_graph = False  # True refuses a step on these CPU tensors; the loads stay queued

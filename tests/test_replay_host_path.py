@@ -45,7 +45,9 @@ def _muon(params, graphed, monkeypatch, made):
     if graphed:  # the CPU stands in for the GPU: the device check is the one thing bypassed
         monkeypatch.setattr(capture_rules, "check_device", lambda cuda_graph, device: None)
         opt.cuda_graph = True
-        opt._graphs = StepGraphs(torch.device("cpu"), lambda: made.append(FakeGraph()) or made[-1])
+        opt._graphing.graphs = StepGraphs(
+            torch.device("cpu"), lambda: made.append(FakeGraph()) or made[-1]
+        )
     return opt
 
 

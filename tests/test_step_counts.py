@@ -316,7 +316,9 @@ def test_replayed_steps_read_each_parameters_count(monkeypatch, kw):
     monkeypatch.setattr(capture_rules, "check_device", lambda cuda_graph, device: None)
     opt.cuda_graph = True  # the CPU stands in for the GPU
     made = []
-    opt._graphs = StepGraphs(torch.device("cpu"), lambda: made.append(RecordingGraph()) or made[-1])
+    opt._graphing.graphs = StepGraphs(
+        torch.device("cpu"), lambda: made.append(RecordingGraph()) or made[-1]
+    )
     for s in range(10):
         gen = torch.Generator().manual_seed(400 + s)
         for i, (p, q) in enumerate(zip(ours, ref, strict=True)):

@@ -322,7 +322,8 @@ class CheckpointMixin:
         self._setup(settings, resolve_mesh(None))
         self._constructed = True
         for group in self.param_groups:  # no meshes here, but DTensor parameters may be
-            self._graph_blocker = self._graph_blocker or capture_rules.group_blocker(group, None)
+            graphing = self._graphing
+            graphing.blocker = graphing.blocker or capture_rules.group_blocker(group, None)
         self.state = defaultdict(dict)
         formats = partial(loadable_formats, self)
         hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]

@@ -64,7 +64,6 @@ from torch import Tensor
 
 from ..distributed import local
 from ..kernels._launch import TABLES
-from . import capture_rules
 from .graph_ends import SplitStep
 from .step_work import StepWork
 
@@ -325,71 +324,3 @@ class StepGraphs:
         self.captures += 1  # misses stay: only a replay of an earlier capture clears them
         graph.replay()
         return True
-
-
-class GraphMixin:
-    """The optimizer's side of ``cuda_graph`` (``ChunkedOptimizer``); it keeps
-    ``_graph_blocker``: why "auto" stays eager for the whole optimizer (a mesh, a DTensor)."""
-
-    def _run_step(
-        self, work, layouts, hypers, transfers, update, side=None, closure: bool = False
-    ) -> None:
-        """The step's GPU work, the chunks through the scheduler (``side``: the chunks it may
-        run on its side lane): run eagerly, or captured and replayed (``cuda_graph``; eager
-        while ``timeline()`` records, and with ``"auto"`` where a graph cannot run)."""
-        sched = self._streams.scheduler
-
-        def body() -> None:
-            sched.run(transfers, update, side)
-
-        if not self._graphed(sched.device, closure):
-            self._ungraphed_steps += 1  # eager steps all the same (``graph_stats``)
-            body()
-            return
-        if self._graphs is None or self._graphs.device != sched.device:
-            # Nobody asked for graphs with "auto": giving them up is no warning's worth.
-            level = logging.INFO if self.cuda_graph == "auto" else logging.WARNING
-            self._graphs = StepGraphs(sched.device, give_up_level=level)
-        if self._graphs.off is not None:  # given up: no key to compute
-            self._graphs.step(None, self._graphs.off, layouts, body)
-            return
-        streamed = sched.prepare(transfers, side)  # the arena as this step uses it, for the key
-        table = self._scalars.buffer if self._scalars is not None else None
-        if table is None:
-            key, why = None, "the step runs no Triton kernels"
-        else:
-            key, why = step_key(
-                work,
-                layouts,
-                hypers,
-                self.state,
-                self.algorithms,
-                sched.staging_buffers,
-                table,
-                self.backend,
-                self._grad_table and self._grad_table.key(),
-            )
-        ends = (sched, transfers, side) if streamed else None  # head and tail: graph_ends.py
-        self._graphs.step(key, why, layouts, body, ends)
-
-    def _graphed(self, device: torch.device, closure: bool) -> bool:
-        """Whether this step goes through ``StepGraphs`` (captured, replayed, or eager while
-        its key settles)."""
-        if self.cuda_graph is False or self._streams.marks is not None:
-            return False
-        if self.cuda_graph is True:
-            return True  # refused before anything ran where it cannot capture
-        blocker = self._graph_blocker or capture_rules.auto_blocker(
-            device, self.backend, self.algorithms.values()
-        )
-        return blocker is None and not closure
-
-    def graph_stats(self) -> dict | None:
-        """With ``cuda_graph`` True or "auto": captures, replays, eager steps, whether a graph
-        is held, its memory pool's bytes (approximate: the reserved memory the capture added)
-        and why graphs were given up (None while they are not). None with False."""
-        if self.cuda_graph is False:
-            return None
-        stats = (self._graphs or StepGraphs(torch.device("cpu"))).stats()
-        stats["eager_steps"] += self._ungraphed_steps  # off CUDA, with a closure, timed
-        return stats

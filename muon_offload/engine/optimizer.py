@@ -40,12 +40,12 @@ from .checkpoint import CheckpointMixin
 from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk, write_back
 from .delegated import Delegated
 from .grad_table import GradTable, grad_table
-from .graphs import GraphMixin, StepGraphs
+from .graph_runner import GraphRunner
 from .group_checks import check_param_dtypes, check_unique_params, listed_params
 from .interrupt import interrupted
 from .introspect import Tools
 from .planner import ParamInfo, Plan, elementwise_only, plan_step
-from .prefetch import PrefetchMixin
+from .prefetch import Prefetcher
 from .scalars import ScalarTable, scalar_table
 from .scheduler import Transfer
 from .settings import LiveSettings, Setting, Settings
@@ -86,7 +86,7 @@ class PlanCache(dict[tuple, PlanEntry]):
         super().clear()
 
 
-class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, Optimizer):
+class ChunkedOptimizer(StateMixin, CheckpointMixin, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -108,6 +108,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, O
     staging_bytes = Delegated("_tools", Tools.staging_bytes)
     timeline = Delegated("_tools", Tools.timeline)
     reconfigure = Delegated("_tools", Tools.reconfigure)
+    prefetch = Delegated("_prefetcher", Prefetcher.prefetch)
+    graph_stats = Delegated("_graphing", GraphRunner.stats)
 
     def __init__(
         self,
@@ -136,10 +138,6 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, O
         self._agreements = StepAgreements()  # filled in __init__ and add_param_group
         # Read as attributes (opt.chunk_bytes, ...), and by the collaborators, as they are now.
         self._settings = LiveSettings(settings, common_backends(self.algorithms.values()))
-        self._graphs: StepGraphs | None = None  # cuda_graph: the captured step (graphs.py)
-        self._ungraphed_steps = 0  # steps run eagerly outside ``_graphs`` (graph_stats)
-        # Why "auto" keeps every step eager (a gloo mesh, DTensors on one), None if nothing.
-        self._graph_blocker = capture_rules.mesh_blocker(mesh.group)
         # (plan, transfers, layouts, side, the work planned) by what they depend on (``_plan``);
         # cleared whenever state is created or loaded and when the budgets change.
         self._plans = PlanCache()
@@ -148,6 +146,11 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, O
         self._tools = Tools(self._store, self._streams, self._settings, self._plans)
         self._counts = StepCounts()  # each parameter's count of the steps that updated it
         self._handed_scales = HandedScales()  # 8-bit rows state_dict() copied (sharded_scales)
+        # cuda_graph: eager, or captured and replayed; "auto" stays eager on a gloo mesh.
+        blocker = capture_rules.mesh_blocker(mesh.group)
+        self._graphing = GraphRunner(self._settings, self._streams, self.algorithms, blocker)
+        parts = (self._streams, self._plans, self._store, self._handed_scales, self._graphing)
+        self._prefetcher = Prefetcher(self._settings, *parts)  # and its backward hooks
         self._policy = self.state_policy(settings.state_dtype)
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
         self._grad_table: GradTable | None = None  # the step's gradient addresses (Triton path)
@@ -187,7 +190,8 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, O
             self.param_groups.pop()
             self._group_meshes.pop(index, None)
             raise
-        self._graph_blocker = self._graph_blocker or capture_rules.group_blocker(group, mesh_group)
+        graphing = self._graphing
+        graphing.blocker = graphing.blocker or capture_rules.group_blocker(group, mesh_group)
 
     def _mesh_of(self, group_index: int) -> Mesh:
         return self._group_meshes.get(group_index, self._mesh)
@@ -265,7 +269,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, O
         last = self._plans.last  # its pairs, reused if the same parameters step again
         # The gradient table and the graph's key (if the last step made them) read pointers
         # with the checks.
-        graphed = self._graphs is not None and self._graphs.off is None
+        graphed = self._graphing.graphs is not None and self._graphing.graphs.off is None
         keyed = graphed or self._grad_table is not None
         work, device = step_work(self.param_groups, last and last[1][4], keyed)
         if device is not None and self.offload and device.type != "cuda":
@@ -325,7 +329,11 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, PrefetchMixin, GraphMixin, O
             first_compile.before(self, ctx, layouts, rows, device)  # new kernels: in parallel
             # Maybe a graph; "auto" runs a step with a closure eagerly (the closure's work and
             # the step's are the user's to order, not a graph's).
-            self._run_step(work, layouts, hypers, transfers, update, side, closure is not None)
+            tables = (self._scalars, self._grad_table)
+            closed = closure is not None
+            self._graphing.run(
+                work, layouts, hypers, transfers, update, side, closed, self.state, tables
+            )
         except BaseException as err:
             report = interrupted(plan, work, progress, err, self.param_groups, unstep)
             if isinstance(err, Exception):
@@ -346,7 +354,7 @@ def _groups_added(opt: ChunkedOptimizer) -> None:
     check_ranks_agree(opt.param_groups, opt._mesh_of)
     opt._agreements.add(opt.param_groups, opt._mesh_of)
     opt._ensure_state(opt._hypers())
-    opt._hook_prefetch()
+    opt._prefetcher.hook(p for _, p in opt._params())
 
 
 def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:

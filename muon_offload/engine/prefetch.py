@@ -161,9 +161,9 @@ def finish(sched) -> None:
 
 def _grad_ready(ref: weakref.ref, param) -> None:
     """A parameter's gradient accumulated: the first one after a run prefetches."""
-    opt = ref()
-    if opt is not None:
-        opt._grad_ready()
+    prefetcher = ref()
+    if prefetcher is not None:
+        prefetcher.grad_ready()
 
 
 def _remove(handles: list) -> None:
@@ -171,8 +171,17 @@ def _remove(handles: list) -> None:
         handle.remove()
 
 
-class PrefetchMixin:
-    """``prefetch()`` and its backward hooks (``ChunkedOptimizer``)."""
+class Prefetcher:
+    """``prefetch()`` (the optimizer's method of that name is this one's) and its backward
+    hooks, which hold this object weakly and go when it does (with the optimizer)."""
+
+    def __init__(self, settings, streams, plans, store, handed_scales, graphing) -> None:
+        self._settings, self._streams, self._plans = settings, streams, plans
+        self._store, self._handed_scales, self._graphing = store, handed_scales, graphing
+        self._hooks: list = []
+        self._hooked: set[int] = set()  # ids of the parameters hooked
+        self._prefetched_run = -1  # the scheduler's run the last hook prefetched after
+        weakref.finalize(self, _remove, self._hooks)
 
     def prefetch(self) -> bool:
         """Start loading the next step's first chunks of offloaded state now, so that
@@ -187,44 +196,26 @@ class PrefetchMixin:
         if sched is None or last is None or not self._store.streamed or self._handed_scales.held:
             return False
         _, transfers, _, side, _ = last[1]
-        if self._graphs_in_use(sched.device):
-            held = self._graphs and self._graphs.held
+        if self._graphing.in_use(sched.device):
+            held = self._graphing.graphs and self._graphing.graphs.held
             split = isinstance(held, graph_ends.SplitStep) and held.sched is sched
             return split and held.transfers is transfers and held.prefetch()
         return issue(sched, transfers, side) > 0
 
-    def _graphs_in_use(self, device) -> bool:
-        """Whether a step may go through ``StepGraphs`` (captured, replayed, eager meanwhile):
-        not once graphs are given up (``off``), whatever ``cuda_graph`` says (with ``True``
-        too, the steps stay eager from then on)."""
-        if self._graphs is not None:
-            return self._graphs.off is None
-        return self._graphed(device, False)
-
-    def _run_step(self, *args, **kwargs) -> None:
-        """The step's GPU work (``GraphMixin._run_step``). Its stores are left running only
-        while no graph is in use: a replay's loads, captured, would not wait for them."""
-        sched = self._streams.scheduler
-        sched.ahead.leave = not self._graphs_in_use(sched.device)
-        super()._run_step(*args, **kwargs)
-
-    def _grad_ready(self) -> None:
+    def grad_ready(self) -> None:
         sched = self._streams.scheduler
         if sched is not None and sched.ahead.runs != self._prefetched_run:
             self._prefetched_run = sched.ahead.runs
             self.prefetch()
 
-    def _hook_prefetch(self) -> None:
-        """With ``prefetch`` and offloaded state: hook every parameter not hooked yet that
-        takes gradients. The hooks hold the optimizer weakly and go when it does."""
-        if not (self.offload and self._settings.now.prefetch):
+    def hook(self, params) -> None:
+        """With ``prefetch`` and offloaded state: hook every parameter of ``params`` not hooked
+        yet that takes gradients."""
+        settings = self._settings.now
+        if not (settings.offload and settings.prefetch):
             return
-        if "_prefetch_hooks" not in vars(self):
-            self._prefetch_hooks, self._hooked = [], set()
-            self._prefetched_run = -1
-            weakref.finalize(self, _remove, self._prefetch_hooks)
         hook = partial(_grad_ready, weakref.ref(self))
-        for _, p in self._params():
+        for p in params:
             if p.requires_grad and id(p) not in self._hooked:
-                self._prefetch_hooks.append(p.register_post_accumulate_grad_hook(hook))
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
                 self._hooked.add(id(p))
