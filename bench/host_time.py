@@ -73,8 +73,8 @@ from host_time_stubs import replayed, stubbed_kernels  # noqa: E402
 PHASES = (
     ("check groups and grads", "engine/optimizer.py", "_check_step"),
     ("rank agreement", "distributed/rank_agreement.py", "check"),
-    ("state lookup/creation", "engine/state.py", "_ensure_state"),
-    ("plan (lookup or build)", "engine/optimizer.py", "_plan"),
+    ("state lookup/creation", "engine/state.py", "ensure"),
+    ("plan (lookup or build)", "engine/step_plans.py", "plan"),
     ("scheduler run (all chunks)", "engine/scheduler.py", "run"),
     ("  unit jobs (views, lists)", "engine/chunks.py", "_job"),
     ("  chunk state lists", "engine/chunks.py", "chunk_state"),

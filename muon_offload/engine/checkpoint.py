@@ -229,7 +229,7 @@ def loaded_matrices(opt, hyper: Hyper, p: Tensor) -> int:
 
 def loadable_formats(opt, p: Tensor) -> tuple[StateFormat, ...]:
     """The formats a loaded entry of ``p`` may hold besides dense: its own, then the policy's."""
-    formats = (opt._format(p), *opt._policy.loadable())
+    formats = (opt._states.format(p), *opt._states.policy.loadable())
     return tuple(f for f in dict.fromkeys(formats) if not isinstance(f, Dense))
 
 
@@ -277,10 +277,12 @@ class CheckpointMixin:
         counts = loaded_counts(self.param_groups, saved_groups, saved_state, counted)
         self._streams.synchronize()
         detach_aliases(loaded, self.state)
-        self._follow_device(hypers)  # state made before the parameters moved moves first
+        # State made before the parameters moved moves first.
+        self._states.follow_device(self.state, self.param_groups, hypers, self._placement)
         for p in check_live_layout(self, hypers):
             self.state[p] = {}  # as made, of another layout: made afresh by the next line
-        self._ensure_state(hypers)  # may allocate (and fail) before anything is written
+        # May allocate (and fail) before anything is written.
+        self._states.ensure(self.state, self.param_groups, hypers, self._placement)
         for group, new in zip(self.param_groups, new_groups, strict=True):
             group.clear()
             group.update(new)
@@ -336,7 +338,8 @@ class CheckpointMixin:
             for gi, p in self._params()
             if values.get(p)
         }
-        self._ensure_state(hypers)  # every parameter's, as at construction
+        # Every parameter's, as at construction.
+        self._states.ensure(self.state, self.param_groups, hypers, self._placement)
         if loaded:
             copy_state(self, loaded)
             self._store.pristine.clear()

@@ -116,7 +116,7 @@ def step_key(
         return None, "the kernels read the gradients' own addresses (no gradient table)"
     baked = (backend,) + tuple((h.algorithm, algorithms[h.algorithm].baked(h)) for h in hypers)
     # Every state tensor, parameter by parameter, key by key: C-level passes, no Python loop;
-    # the dicts as the step found them (``_ensure_state``), else looked up.
+    # the dicts as the step found them (``StateBuilder.ensure``), else looked up.
     dicts = work.state_dicts or map(state.__getitem__, params)
     tensors = chain.from_iterable(map(dict.values, dicts))
     if not work.plain:  # DTensor state: its shard

@@ -17,9 +17,7 @@ say how a group reads (``_read_hyper``).
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 
 import torch
 from torch import Tensor
@@ -30,67 +28,43 @@ from ..distributed import (
     Placement,
     StepAgreements,
     check_ranks_agree,
-    local,
     placement_of,
     resolve_mesh,
 )
 from . import capture_rules, first_compile
 from .algorithm import Algorithm, Hyper, common_backends
 from .checkpoint import CheckpointMixin
-from .chunks import ChunkLayout, StepContext, chunk_layout, chunk_state, run_chunk, write_back
+from .chunks import StepContext, run_chunk, write_back
 from .delegated import Delegated
 from .grad_table import GradTable, grad_table
 from .graph_runner import GraphRunner
 from .group_checks import check_param_dtypes, check_unique_params, listed_params
 from .interrupt import interrupted
 from .introspect import Tools
-from .planner import ParamInfo, Plan, elementwise_only, plan_step
 from .prefetch import Prefetcher
 from .scalars import ScalarTable, scalar_table
-from .scheduler import Transfer
 from .settings import LiveSettings, Setting, Settings
 from .sharded_scales import HandedScales
-from .state import StateMixin, StateStore
-from .step_counts import StepCounts, split_by_count
+from .state import StateBuilder, StateStore, group_pairs
+from .state_format import StatePolicy
+from .step_counts import StepCounts
+from .step_plans import PlanCache, StepPlanner, which
 from .step_work import StepWork, step_work
 from .streams import Streams
-from .transfer import plan_transfers
 
 log = logging.getLogger(__name__)
 
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
 
-PlanEntry = tuple[Plan, list[Transfer | None], list[ChunkLayout], tuple[bool, ...], StepWork]
-
-
-class PlanCache(dict[tuple, PlanEntry]):
-    """``_plan``'s cache: (plan, transfers, layouts, side, the work planned) by what they
-    depend on, and ``last``: the key and entry the last step used, which the next step
-    compares its key with first (no hashing it). ``clear()`` forgets both."""
-
-    last: tuple[tuple, PlanEntry] | None = None
-
-    def find(self, key: tuple) -> tuple[tuple, PlanEntry] | None:
-        if self.last is None or self.last[0] != key:
-            entry = self.get(key)
-            self.last = None if entry is None else (key, entry)
-        return self.last
-
-    def keep(self, key: tuple, entry: PlanEntry) -> None:
-        self[key] = entry
-        self.last = (key, entry)
-
-    def clear(self) -> None:
-        self.last = None
-        super().clear()
-
-
-class ChunkedOptimizer(StateMixin, CheckpointMixin, Optimizer):
+class ChunkedOptimizer(CheckpointMixin, Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
     algorithms: dict[str, Algorithm] = {}
+    # Chooses each parameter's state format (``StatePolicy``); a subclass may name another
+    # policy, whose formats are new ones (docs/design.md, "State formats").
+    state_policy = StatePolicy
 
     # The settings it was built with, as attributes (``prefetch`` is the method; its setting
     # is ``Settings.prefetch``); assigned, checked as the constructor's were.
@@ -151,10 +125,12 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, Optimizer):
         self._graphing = GraphRunner(self._settings, self._streams, self.algorithms, blocker)
         parts = (self._streams, self._plans, self._store, self._handed_scales, self._graphing)
         self._prefetcher = Prefetcher(self._settings, *parts)  # and its backward hooks
-        self._policy = self.state_policy(settings.state_dtype)
+        policy = self.state_policy(settings.state_dtype)
+        parts = (self._store, self._counts, self._plans, self._streams, self._handed_scales)
+        self._states = StateBuilder(self.algorithms, policy, self._settings, *parts)
+        self._planner = StepPlanner(self._settings, self._states, self._plans)
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
         self._grad_table: GradTable | None = None  # the step's gradient addresses (Triton path)
-        self._oversized_logged: set[Tensor] = set()
         self._cpu_notice_given = False
 
     # ----------------------------------------------------------------- groups
@@ -181,7 +157,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, Optimizer):
                 capture_rules.check_group(group, index, mesh_group)
             hyper = self._read_hyper(group, index)
             check_param_dtypes(group, index)
-            self._check_quantizable(index)
+            self._states.check_quantizable(group["params"], index)
             for p in group["params"]:
                 self._placement(index, p, hyper)
             if self._constructed:
@@ -197,7 +173,7 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, Optimizer):
         return self._group_meshes.get(group_index, self._mesh)
 
     def _params(self) -> list[tuple[int, Tensor]]:
-        return [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+        return group_pairs(self.param_groups)
 
     def _placement(self, gi: int, param: Tensor, hyper: Hyper) -> Placement:
         if self.algorithms[hyper.algorithm].elementwise:
@@ -205,62 +181,12 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, Optimizer):
         where = f"param group {gi} (parameter of shape {tuple(param.shape)})"
         return placement_of(param, self._mesh_of(gi), hyper.flatten, where, hyper.num_heads)
 
-    # ------------------------------------------------------------------ state
-
-    def _param_info(self, index, group, p: Tensor, hyper: Hyper, resident, grad_dtype=None):
-        # A batch of matrices is one launch reading one gradient dtype (None: placing state).
-        fmt = self._format(p)
-        return ParamInfo(
-            index=index,
-            group=group,
-            algorithm=hyper.algorithm,
-            elementwise=self.algorithms[hyper.algorithm].elementwise,
-            numel=local(p).numel(),
-            plan_bytes=self._budget_bytes(p, hyper),
-            batch_key=(tuple(p.shape), p.dtype, grad_dtype, fmt, self._placement(group, p, hyper)),
-            resident=resident,
-            align=fmt.align,
-            unit_key=fmt,
-            matrices=self._cut_matrices(group, p, hyper),
-        )
-
-    # --------------------------------------------------------------- planning
-
     def _plan(self, work: StepWork, hypers: Sequence[Hyper], classes=None):
-        """The plan, the chunks' transfers and layouts, and which chunks the scheduler may run
-        on its side lane (the element-wise-only ones) for this step's work: cached while the
-        work (its parameters, their groups, shapes and dtypes), the groups' algorithms and
-        layouts, the step classes (``step_counts.step_classes``) and the budgets stay the
-        same, and while state is neither created nor loaded (which clear the cache)."""
-        key = (
-            _which(work),
-            work.shapes,  # read by the step's checks (``StepWork``)
-            work.dtypes,
-            work.grad_dtypes,  # matrices batch by gradient dtype too (``_param_info``)
-            tuple((h.algorithm, h.flatten, h.split_sizes, h.num_heads) for h in hypers),
-            self.chunk_bytes,
-            self.resident_chunk_bytes,
-            classes,
-        )
-        found = self._plans.find(key)
-        if found is not None:
-            # The equal tuples of the key found: the graph's key compares them as one object.
-            work.shapes, work.dtypes = found[0][1], found[0][2]
-            return found[1][:4]
-        self._check_fits(work, hypers)  # state of the shapes the algorithm gives
-        infos = [
-            self._param_info(i, gi, p, hypers[gi], p not in self._store.streamed, grad_dtype)
-            for i, ((gi, p), grad_dtype) in enumerate(zip(work, work.grad_dtypes, strict=True))
-        ]
-        infos = split_by_count(infos, classes)  # a unit's parameters share one step count
-        plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
-        _say_oversized([work[i] for i in plan.oversized], self._oversized_logged, self.chunk_bytes)
-        transfers = _transfers(plan, self.state, self._store, work)
-        fixed = (self.state, self._store.formats, work, self.algorithms, self._mesh_of, classes)
-        layouts = [chunk_layout(c, *fixed) for c in plan.chunks]
-        side = elementwise_only(plan)
-        self._plans.keep(key, (plan, transfers, layouts, side, work.pairs_only()))
-        return plan, transfers, layouts, side
+        """This step's plan, transfers, layouts and side chunks (``StepPlanner.plan``)."""
+        return self._planner.plan(self.state, work, hypers, classes, self._placement, self._mesh_of)
+
+    def _hypers(self) -> list[Hyper]:
+        return [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
 
     # ------------------------------------------------------------------- step
 
@@ -301,9 +227,9 @@ class ChunkedOptimizer(StateMixin, CheckpointMixin, Optimizer):
             return loss
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
-        self._step_state(hypers, work, device)
+        self._states.for_step(self.state, self.param_groups, hypers, work, device, self._placement)
         counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
-        slots, counts, classes = self._counts.for_step(_which(work), work.params, counted)
+        slots, counts, classes = self._counts.for_step(which(work), work.params, counted)
         plan, transfers, layouts, side = self._plan(work, hypers, classes)
         self._streams.for_step(device)
         steps = [g["step"] + 1 for g in self.param_groups]
@@ -353,40 +279,5 @@ def _groups_added(opt: ChunkedOptimizer) -> None:
     dion's Muon makes it (``state.py``: ``state_dict()`` holds every key before any step)."""
     check_ranks_agree(opt.param_groups, opt._mesh_of)
     opt._agreements.add(opt.param_groups, opt._mesh_of)
-    opt._ensure_state(opt._hypers())
+    opt._states.ensure(opt.state, opt.param_groups, opt._hypers(), opt._placement)
     opt._prefetcher.hook(p for _, p in opt._params())
-
-
-def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:
-    """One notice a plan for the (group, parameter) pairs in ``oversized`` not yet named in
-    ``logged`` (not one a matrix: a dense model has dozens); they join ``logged``."""
-    new = [(gi, p) for gi, p in oversized if p not in logged]
-    if new:
-        logged.update(p for _, p in new)
-        shapes = Counter((gi, tuple(p.shape)) for gi, p in new)
-        which = ", ".join(f"param group {g}: {s} x {n}" for (g, s), n in shapes.items())
-        log.warning(
-            "%d parameters have more state than chunk_bytes=%d in a piece that cannot be cut"
-            " (a matrix, or a stack kept whole; Muon state counts at fp32 width at least); each"
-            " such piece is streamed as a chunk of its own: %s",
-            *(len(new), chunk_bytes, which),
-        )
-
-
-def _transfers(plan, state, store, work: StepWork) -> list:
-    """Per chunk of ``plan``, its state's host-device transfers; None for a resident chunk.
-    No chunk's runs span another's bytes (``plan_transfers``)."""
-    chunks = [
-        None if chunk.resident else chunk_state(state, store.formats, chunk, work)
-        for chunk in plan.chunks
-    ]
-    streamed = any(c is not None for c in chunks)
-    return plan_transfers(chunks, store.host.slab_of) if streamed else chunks
-
-
-def _which(work: StepWork) -> tuple:
-    """(group indices, parameter ids) of the step's pairs: the plan key's part naming them."""
-    if work.which is None:  # kept with pairs that a later step reuses (``step_work``)
-        # The plan holds ``work``: an id is not reused meanwhile.
-        work.which = (tuple(map(itemgetter(0), work)), tuple(map(id, work.params)))
-    return work.which

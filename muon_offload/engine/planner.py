@@ -34,7 +34,7 @@ no algorithm by name: each parameter says whether its algorithm is element-wise
 Budgets are counted in ``plan_bytes``: a parameter's state bytes computed from its *global*
 size divided by the mesh size, identical on every rank, so under sharding every rank cuts
 the same units into the same chunks (never cut on local shard sizes). Matrix state narrower
-than fp32 (bf16, 8-bit) counts as fp32 (state.py ``_budget_bytes``): a matrix chunk's GPU work
+than fp32 (bf16, 8-bit) counts as fp32 (``StateBuilder.budget_bytes``): a matrix chunk's GPU work
 buffers (Muon's) grow with its matrices, whatever the state's width.
 """
 

@@ -21,7 +21,7 @@ from .algorithm import Hyper
 from .assigned_state import HeldState
 from .group_checks import check_state_fits
 from .host_slabs import HostSlabs
-from .planner import plan_step, unit_params
+from .planner import ParamInfo, plan_step, unit_params
 from .sharded_scales import check_placements
 from .state_format import StateFormat, StatePolicy
 from .step_work import StepWork, same_objects
@@ -73,7 +73,7 @@ class StateStore:
         self.resident_used = 0  # bytes of offload-mode state kept resident (resident_bytes)
         self.resident: dict[Tensor, int] = {}  # those bytes by parameter
         self.formats: dict[Tensor, object] = {}  # parameter -> its state's format
-        # The devices of the parameters whose state was created (``StateMixin._follow_device``).
+        # The devices of the parameters whose state was created (``StateBuilder.follow_device``).
         self.devices: set[torch.device] = set()
         # Parameters whose state is as created: no step or load since. A load may lay theirs
         # out afresh (``checkpoint.check_live_layout``), as if it did not exist yet.
@@ -147,26 +147,34 @@ def like_param(state: Tensor, param: Tensor, fmt: StateFormat, name: str) -> Ten
     return dtensor_around(state, param)
 
 
-class StateMixin:
-    """The state-creation methods of ``ChunkedOptimizer``: each parameter's format, its
-    budget, and creating what is missing in plan order."""
+def group_pairs(groups: Sequence[dict]) -> list[tuple[int, Tensor]]:
+    """(group index, parameter) of every parameter of ``groups``, in order."""
+    return [(gi, p) for gi, g in enumerate(groups) for p in g["params"]]
 
-    # Chooses each parameter's state format (``StatePolicy``); a subclass may name another
-    # policy, whose formats are new ones (docs/design.md, "State formats").
-    state_policy = StatePolicy
 
-    def _format(self, p: Tensor):
+class StateBuilder:
+    """Each parameter's state format and budget, and its state: created where it is missing
+    (in plan order), moved with its parameters, checked against a step's shapes. It is handed
+    the optimizer's live ``state`` and ``param_groups`` with each call (both may be replaced
+    between calls), and ``placement(group index, parameter, hyper)`` where it plans."""
+
+    def __init__(self, algorithms, policy: StatePolicy, settings, store, counts, *parts) -> None:
+        self.algorithms, self.policy, self._settings = algorithms, policy, settings
+        self.store, self._counts = store, counts
+        self._plans, self._streams, self._handed_scales = parts  # cleared, waited on, pulled
+
+    def format(self, p: Tensor):
         """The format of ``p``'s state: as created, or as it would be created now."""
-        fmt = self._store.formats.get(p)
+        fmt = self.store.formats.get(p)
         # A DTensor's numel is global: every rank of its mesh picks the same format (Muon
         # batches, and so the collectives, are keyed on it), however small its own shard.
-        return fmt if fmt is not None else self._policy.format_for(p)
+        return fmt if fmt is not None else self.policy.format_for(p)
 
-    def _plan_bytes(self, param: Tensor, hyper: Hyper) -> int:
+    def plan_bytes(self, param: Tensor, hyper: Hyper) -> int:
         """State bytes for budgeting and for the resident budget, equal on every rank: a
         sharded (DTensor) parameter counts its global state over the mesh size, never its
         local shard, which differs across ranks when shards are uneven."""
-        algorithm, fmt = self.algorithms[hyper.algorithm], self._format(param)
+        algorithm, fmt = self.algorithms[hyper.algorithm], self.format(param)
         shape = param.shape if isinstance(param, DTensor) else local(param).shape
         # Each key's own elements: its algorithm's shape (``Algorithm.state_shapes``).
         total = sum(fmt.nbytes(math.prod(k.shape), 1) for k in algorithm.state_shapes(shape))
@@ -174,15 +182,15 @@ class StateMixin:
             return total
         return -(-total // param.device_mesh.size())
 
-    def _budget_bytes(self, param: Tensor, hyper: Hyper) -> int:
+    def budget_bytes(self, param: Tensor, hyper: Hyper) -> int:
         """What ``param`` counts against ``chunk_bytes`` / ``resident_chunk_bytes``: its
         algorithm's rule (``Algorithm.budget_bytes``) on its state bytes, with the global
         element count and the mesh size, so that every rank counts the same."""
         mesh = param.device_mesh.size() if isinstance(param, DTensor) else 1
         algorithm = self.algorithms[hyper.algorithm]
-        return algorithm.budget_bytes(self._plan_bytes(param, hyper), param.numel(), mesh)
+        return algorithm.budget_bytes(self.plan_bytes(param, hyper), param.numel(), mesh)
 
-    def _cut_matrices(self, gi: int, p: Tensor, hyper: Hyper) -> int:
+    def cut_matrices(self, p: Tensor, hyper: Hyper) -> int:
         """How many matrices the planner may cut a matrix parameter's state into when it is
         over budget (``ParamInfo.matrices``): its algorithm's (``Algorithm.matrices``: Muon's
         stack, each matrix orthogonalized on its own); 1 keeps it whole, as for a DTensor,
@@ -190,87 +198,103 @@ class StateMixin:
         algorithm = self.algorithms[hyper.algorithm]
         return 1 if isinstance(p, DTensor) else algorithm.matrices(p.shape, hyper)
 
-    def _check_quantizable(self, gi: int) -> None:
+    def param_info(self, index, gi, p: Tensor, hyper: Hyper, resident, placement, grad_dtype=None):
+        """The planner's view of ``p`` (``ParamInfo``). A batch of matrices is one launch
+        reading one gradient dtype (None: placing state)."""
+        fmt = self.format(p)
+        return ParamInfo(
+            index=index,
+            group=gi,
+            algorithm=hyper.algorithm,
+            elementwise=self.algorithms[hyper.algorithm].elementwise,
+            numel=local(p).numel(),
+            plan_bytes=self.budget_bytes(p, hyper),
+            batch_key=(tuple(p.shape), p.dtype, grad_dtype, fmt, placement(gi, p, hyper)),
+            resident=resident,
+            align=fmt.align,
+            unit_key=fmt,
+            matrices=self.cut_matrices(p, hyper),
+        )
+
+    def check_quantizable(self, params, gi: int) -> None:
         """Block-scaled state of DTensor parameters: Shard and Replicate placements only."""
-        if self._policy.block_scaled():
-            check_placements(self.param_groups[gi]["params"], gi)
+        if self.policy.block_scaled():
+            check_placements(params, gi)
 
     def _new_state(self, p: Tensor, hyper: Hyper, streamed: bool) -> NewState:
         algorithm = self.algorithms[hyper.algorithm]
         shape = local(p).shape
         matrices = algorithm.matrices(shape, hyper)
-        fmt = self._format(p)
+        fmt = self.format(p)
         specs = StatePolicy.specs(fmt, shape, algorithm.state_shapes(shape), matrices)
         return NewState(p, fmt, specs, streamed)
 
-    def _check_fits(self, work: StepWork, hypers: Sequence[Hyper]) -> None:
+    def check_fits(self, state: dict, work: StepWork, hypers: Sequence[Hyper]) -> None:
         """Each stepped parameter's state has the shapes its algorithm gives the parameter's
         shape now (``Algorithm.state_shapes``; ``hyper.check_state_fits``)."""
         for gi, p in work:
-            fmt, algorithm = self._format(p), self.algorithms[hypers[gi].algorithm]
+            fmt, algorithm = self.format(p), self.algorithms[hypers[gi].algorithm]
             shapes = {fmt.names(k)[0]: shape for k, _, shape in algorithm.state_shapes(p.shape)}
-            check_state_fits(gi, p, self.state[p], fmt, shapes)
+            check_state_fits(gi, p, state[p], fmt, shapes)
 
-    def _hypers(self) -> list[Hyper]:
-        return [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
-
-    def _step_state(self, hypers: Sequence[Hyper], work: StepWork, device) -> None:
+    def for_step(self, state, groups, hypers, work: StepWork, device, placement) -> None:
         """A step's state: 8-bit scales loaded in place into the last ``state_dict()`` copied
         in (``sharded_scales.HandedScales``), state moved to the step's device if the
-        parameters moved, state dropped since made afresh; then none is as created."""
+        parameters moved, state the user assigned adopted (``assigned_state.py``), state
+        dropped since made afresh; then none is as created."""
         self._handed_scales.pull()
-        self._follow_device(hypers, device)
-        store = self._store
-        dicts = store.index.dicts(self.state, work.params)
+        self.follow_device(state, groups, hypers, placement, device)
+        store = self.store
+        dicts = store.index.dicts(state, work.params)
         if store.held.adopt(dicts, work.params, store.streamed, self._streams.synchronize):
             self._plans.clear()  # their layouts and transfers name the replaced tensors
-        self._ensure_state(hypers, work)
-        self._store.pristine.clear()
+        self.ensure(state, groups, hypers, placement, work)
+        store.pristine.clear()
 
-    def _follow_device(self, hypers: Sequence[Hyper], device: torch.device | None = None) -> None:
+    def follow_device(self, state, groups, hypers, placement, device=None) -> None:
         """State is created with the optimizer, on its parameters' device (resident) or in host
         slabs pinned when they are on a GPU (streamed). Parameters moved since (an optimizer
         built before ``model.to("cuda")``, or on the meta device before ``to_empty``) take
         their state along at the next step or load: it is created afresh for ``device`` (the
         step's; for a load, the one the parameters are on) and the old values and step counts
         are copied in (meta tensors hold none: zeros)."""
-        store = self._store
+        store, pairs = self.store, group_pairs(groups)
         if device is None:
-            devices = {local(p).device for _, p in self._params()}
+            devices = {local(p).device for _, p in pairs}
             device = devices.pop() if len(devices) == 1 else None
         if device is None or not store.devices or store.devices == {device}:
             return
-        old = {p: values for _, p in self._params() if (values := self.state.get(p))}
+        old = {p: values for _, p in pairs if (values := state.get(p))}
         counts = {p: self._counts.get(p) for p in old}
         self._streams.synchronize()
         for p in old:
-            self.state[p] = {}  # missing: ``_ensure_state`` forgets it and creates it afresh
+            state[p] = {}  # missing: ``ensure`` forgets it and creates it afresh
         store.host, store.devices = None, set()  # new slabs, pinned as ``device`` needs
-        self._ensure_state(hypers)
+        self.ensure(state, groups, hypers, placement)
         for p, values in old.items():
             for name, t in values.items():
-                if isinstance(t, Tensor) and name in self.state[p] and not t.is_meta:
-                    local(self.state[p][name]).copy_(local(t))
+                if isinstance(t, Tensor) and name in state[p] and not t.is_meta:
+                    local(state[p][name]).copy_(local(t))
         for p, count in counts.items():
             self._counts.set(p, count)
 
-    def _ensure_state(self, hypers: Sequence[Hyper], work: StepWork | None = None) -> None:
+    def ensure(self, state, groups, hypers, placement, work: StepWork | None = None) -> None:
         """Create state for every parameter that has none, in plan order. ``work``: the step's;
         when it holds every parameter, each one's state dict is kept in it (``state_dicts``,
         for the graph's key) and found without hashing (``StateIndex``)."""
-        state, missing = self.state, []
+        missing = []
         if work is not None and work.complete:
-            dicts = self._store.index.dicts(state, work.params)
+            dicts = self.store.index.dicts(state, work.params)
             if all(dicts):  # every parameter has state: nothing to create
                 work.state_dicts = dicts
                 return
-        for gi, group in enumerate(self.param_groups):
+        for gi, group in enumerate(groups):
             params = group["params"]
             if not all(map(state.get, params)):  # every step: one C-level pass a group
                 missing.extend((gi, p) for p in params if not state.get(p))
         if not missing:
             return
-        store, infos = self._store, []
+        store, infos, settings = self.store, [], self._settings.now
         dropped = [p for _, p in missing if p in store.formats]
         if dropped:
             # No write-back may land in bytes about to be reused (while the store still knows
@@ -278,20 +302,20 @@ class StateMixin:
             self._streams.synchronize()
             store.forget(dropped)
         for i, (gi, p) in enumerate(missing):
-            nbytes = self._plan_bytes(p, hypers[gi])
-            resident = not self.offload or (
-                self.resident_bytes is not None
-                and store.resident_used + nbytes <= self.resident_bytes
+            nbytes = self.plan_bytes(p, hypers[gi])
+            resident = not settings.offload or (
+                settings.resident_bytes is not None
+                and store.resident_used + nbytes <= settings.resident_bytes
             )
-            if resident and self.offload:
+            if resident and settings.offload:
                 store.resident_used += nbytes
                 store.resident[p] = nbytes
-            infos.append(self._param_info(i, gi, p, hypers[gi], resident))
-        plan = plan_step(infos, self.chunk_bytes, self.resident_chunk_bytes)
+            infos.append(self.param_info(i, gi, p, hypers[gi], resident, placement))
+        plan = plan_step(infos, settings.chunk_bytes, settings.resident_chunk_bytes)
         order = [i for unit in plan.units() for i in unit_params(unit)]
         # A cut parameter appears once per piece; an empty one in no unit at all.
         store.create(
-            self.state,
+            state,
             [
                 self._new_state(missing[i][1], hypers[missing[i][0]], not infos[i].resident)
                 for i in dict.fromkeys([*order, *range(len(missing))])

@@ -26,8 +26,10 @@ class StepWork(list):
     # Every parameter of every group, in group order, has a gradient: the pairs are all the
     # groups' parameters, and a step with the same parameters may reuse them (``step_work``).
     complete = False
-    which: tuple | None = None  # the plan key's part naming the pairs (``_plan``), once made
-    state_dicts: tuple[dict, ...] | None = None  # each parameter's state (``_ensure_state``)
+    which: tuple | None = (
+        None  # the plan key's part naming the pairs (``StepPlanner.plan``), once made
+    )
+    state_dicts: tuple[dict, ...] | None = None  # each parameter's state (``StateBuilder.ensure``)
     # The parameters' and gradients' data pointers and whether every gradient is contiguous,
     # read with the checks when the step computes a graph key (``step_work(pointers=True)``):
     # nothing between the checks and the key moves a parameter or a gradient.
