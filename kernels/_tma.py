@@ -11,7 +11,7 @@ import os
 import torch
 from torch import Tensor
 
-from ._launch import FP_FUSION, Config
+from ._launch import FP_FUSION, Config, Memo
 
 
 @functools.cache
@@ -77,32 +77,39 @@ def tma_layout(t: Tensor) -> bool | None:
     return transposed
 
 
-# Descriptors' fields by what they are made of (dtype, shape, strides, box), without their
-# base: ``TensorDescriptor`` validates its fields at construction (alignment, strides, box),
-# which a steady step's ~800 descriptors a step did again for the same shapes. The base
-# tensor is never held here (it would keep its memory alive).
-_DESCRIPTORS: dict[tuple, dict] = {}
-_DESCRIPTORS_MAX = 4096
+# Descriptors' fields by what they are made of (dtype, shape, strides, box, the base's
+# alignment), without their base: ``TensorDescriptor`` validates its fields at construction
+# (alignment, strides, box), which a steady step's ~800 descriptors did again for the same
+# shapes. The base tensor is never held here (it would keep its memory alive).
+_DESCRIPTORS = Memo()
+
+
+def descriptor_template(t: Tensor, transposed: bool, block: tuple[int, int]) -> tuple:
+    """``tensor_descriptor``'s validated fields for t's layout: (class, fields without the
+    base), for ``from_template`` with a tensor of that layout."""
+    key = (t.dtype, t.shape, t.stride(), transposed, block, t.data_ptr() % 16)
+    template = _DESCRIPTORS.get(key)
+    if template is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        made = TensorDescriptor.from_tensor(t.mT if transposed else t, [1, *block])
+        template = _DESCRIPTORS.put(key, (type(made), {**vars(made), "base": None}))
+    return template
+
+
+def from_template(template: tuple, base: Tensor):
+    """A descriptor of ``template``'s fields on ``base`` (``t.mT`` where it was transposed),
+    built without validating them again."""
+    cls, fields = template
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    made.base = base
+    return made
 
 
 def tensor_descriptor(t: Tensor, transposed: bool, block: tuple[int, int]):
     """A host TMA descriptor of t [B, R, C] as laid out (of ``t.mT`` when ``transposed``), its
     box [1, *block] in that physical order. A host object, passed by value at launch: nothing
-    is allocated on the device, so launches with it can be captured in a CUDA graph. The fields
-    validated for a key (its base's alignment among them) are copied to the next descriptor
-    of that key, with its own base."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    base = t.mT if transposed else t
-    key = (t.dtype, t.shape, t.stride(), transposed, block, t.data_ptr() % 16)
-    fields = _DESCRIPTORS.get(key)
-    if fields is None:
-        made = TensorDescriptor.from_tensor(base, [1, *block])
-        if len(_DESCRIPTORS) >= _DESCRIPTORS_MAX:
-            _DESCRIPTORS.clear()
-        _DESCRIPTORS[key] = {**vars(made), "base": None}
-        return made
-    made = object.__new__(TensorDescriptor)
-    made.__dict__.update(fields)
-    made.base = base
-    return made
+    is allocated on the device, so launches with it can be captured in a CUDA graph."""
+    template = descriptor_template(t, transposed, block)
+    return from_template(template, t.mT if transposed else t)

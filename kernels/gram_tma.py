@@ -8,8 +8,14 @@ also folds in the normalization's scale, ``HAS_SCALE``).
 
 from __future__ import annotations
 
-from ._launch import Config, cdiv
-from ._tma import persistent_grid, persistent_options, tensor_descriptor, tma_layout
+from ._launch import Config, Memo, cdiv
+from ._tma import (
+    descriptor_template,
+    from_template,
+    persistent_grid,
+    persistent_options,
+    tma_layout,
+)
 from ._triton import tl, triton
 from .normalize import NormScale, inverse_norm, scale_kernel_args
 
@@ -150,34 +156,47 @@ def _sym_gram_tma_kernel(
         )  # fmt: skip
 
 
+# What a TMA launch derives from its config and operands' layouts (_tma_plan), by them.
+_PLANS = Memo()
+
+
 def _launch_tma(
     x, w, y, out, alpha, beta, diag, symmetrize: bool, config: Config, scale: NormScale | None
 ) -> None:
     """``_launch`` on the persistent TMA kernel (x and w: ``tma_layout`` not None)."""
-    batch, m, k = x.shape
+    key = (id(config), x.shape, x.stride(), x.dtype, x.data_ptr() % 16, x.device, w is x)
+    key += () if w is x else (w.stride(), w.data_ptr() % 16)
+    plan = _PLANS.get(key)
+    if plan is None or plan[0] is not config:  # (the config held: its id names it)
+        plan = _PLANS.put(key, _tma_plan(x, w, config))
+    _, x_t, x_template, w_t, w_template, grid, items, options = plan
+    x_desc = from_template(x_template, x.mT if x_t else x)
+    w_desc = x_desc if w is x else from_template(w_template, w.mT if w_t else w)
+    y_arg, args, constexprs = epilogue_args(y, out, alpha, beta, diag, symmetrize, scale)
+    _, m, k = x.shape
+    _sym_gram_tma_kernel[grid](
+        x_desc, w_desc, y_arg, out, items, m, k, *args, **constexprs, **options
+    )
+
+
+def _tma_plan(x, w, config: Config) -> tuple:
+    """(config, x's layout and descriptor template, w's, grid, items, launch keywords)."""
+    batch, m, _ = x.shape
     tiles_side = cdiv(m, config.block)
     items = batch * tiles_side * (tiles_side + 1) // 2
     x_t, w_t = tma_layout(x), tma_layout(w)
     box = (config.block, config.chunk)
-    x_desc = tensor_descriptor(x, x_t, box[::-1] if x_t else box)
-    w_desc = x_desc if w is x else tensor_descriptor(w, w_t, box[::-1] if w_t else box)
-    y_arg, args, constexprs = epilogue_args(y, out, alpha, beta, diag, symmetrize, scale)
-    _sym_gram_tma_kernel[(persistent_grid(items, config, x.device),)](
-        x_desc,
-        w_desc,
-        y_arg,
-        out,
-        items,
-        m,
-        k,
-        *args,
-        **constexprs,
+    x_template = descriptor_template(x, x_t, box[::-1] if x_t else box)
+    w_template = descriptor_template(w, w_t, box[::-1] if w_t else box)
+    options = dict(
         X_T=x_t,
         W_T=w_t,
         BLOCK=config.block,
         BLOCK_K=config.chunk,
         **persistent_options(config),
     )
+    grid = (persistent_grid(items, config, x.device),)
+    return config, x_t, x_template, w_t, w_template, grid, items, options
 
 
 def epilogue_args(y, out, alpha, beta, diag, symmetrize: bool, scale: NormScale | None):

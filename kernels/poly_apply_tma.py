@@ -13,8 +13,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._launch import Config, cdiv, triton_dtype
-from ._tma import persistent_grid, persistent_options, tensor_descriptor, tma_layout
+from ._launch import Config, Memo, cdiv, triton_dtype
+from ._tma import (
+    descriptor_template,
+    from_template,
+    persistent_grid,
+    persistent_options,
+    tma_layout,
+)
 from ._triton import tl, triton
 from .muon_apply import ParamApply, apply_step
 from .normalize import NormScale, inverse_norm, scale_kernel_args
@@ -175,6 +181,10 @@ def _poly_apply_tma_kernel(
         )  # fmt: skip
 
 
+# What a TMA launch derives from its config and operands' layouts (_tma_plan), by them.
+_PLANS = Memo()
+
+
 def _launch_tma(
     poly: Tensor,
     x: Tensor,
@@ -185,30 +195,41 @@ def _launch_tma(
     apply: ApplyArgs,
 ) -> None:
     """``_launch`` on the persistent TMA kernel (poly and x: ``tma_layout`` not None)."""
+    key = (id(config), x.shape, x.stride(), x.dtype, x.data_ptr() % 16, x.device)
+    key += (poly.stride(), poly.data_ptr() % 16)
+    plan = _PLANS.get(key)
+    if plan is None or plan[0] is not config:  # (the config held: its id names it)
+        plan = _PLANS.put(key, _tma_plan(poly, x, config))
+    _, p_t, p_template, x_t, x_template, grid, items, even, options = plan
+    # B = B^T: a column-major poly is described as its transpose, rows contiguous.
+    p_desc = from_template(p_template, poly.mT if p_t else poly)
+    x_desc = from_template(x_template, x.mT if x_t else x)
+    args, constexprs = epilogue_args(x, out, alpha, scale, apply, even)
+    _, m, n = x.shape
+    _poly_apply_tma_kernel[grid](
+        p_desc, x_desc, x, out, items, m, n, *args, **constexprs, **options
+    )
+
+
+def _tma_plan(poly: Tensor, x: Tensor, config: Config) -> tuple:
+    """(config, poly's layout and descriptor template, x's, grid, items, EVEN, launch
+    keywords)."""
     batch, m, n = x.shape
     items = batch * cdiv(m, config.block_m) * cdiv(n, config.block)
     even = m % config.block_m == 0 and n % config.block == 0
-    # B = B^T: a column-major poly is described as its transpose, rows contiguous.
-    p_desc = tensor_descriptor(poly, tma_layout(poly), (config.block_m, config.chunk))
-    x_t = tma_layout(x)
+    p_t, x_t = tma_layout(poly), tma_layout(x)
+    p_template = descriptor_template(poly, p_t, (config.block_m, config.chunk))
     box = (config.block, config.chunk) if x_t else (config.chunk, config.block)
-    args, constexprs = epilogue_args(x, out, alpha, scale, apply, even)
-    _poly_apply_tma_kernel[(persistent_grid(items, config, x.device),)](
-        p_desc,
-        tensor_descriptor(x, x_t, box),
-        x,
-        out,
-        items,
-        m,
-        n,
-        *args,
-        **constexprs,
+    x_template = descriptor_template(x, x_t, box)
+    options = dict(
         X_T=x_t,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block,
         BLOCK_K=config.chunk,
         **persistent_options(config),
     )
+    grid = (persistent_grid(items, config, x.device),)
+    return config, p_t, p_template, x_t, x_template, grid, items, even, options
 
 
 def epilogue_args(x, out, alpha: float, scale: NormScale | None, apply: ApplyArgs, even: bool):

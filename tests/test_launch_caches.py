@@ -52,3 +52,55 @@ def test_descriptor_of_a_misaligned_base_still_raises():
     shifted = flat[1:-7].view(2, 64, 64)  # same shape and strides, base 2 bytes off
     with pytest.raises(AssertionError, match="16-byte aligned"):
         _tma.tensor_descriptor(shifted, False, (64, 64))
+
+
+class _Recorder:
+    """A kernel stand-in: records each launch's grid, arguments and keywords."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def _described(args):
+    """Launch arguments by value: a descriptor's fields and base layout, a tensor's layout."""
+
+    def value(a):
+        if isinstance(a, descriptor.TensorDescriptor):
+            return _fields(a), value(a.base)
+        if isinstance(a, torch.Tensor):
+            return a.shape, a.stride(), a.dtype
+        return a
+
+    return [value(a) for a in args]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tma_launch_plan_gives_a_fresh_launch(monkeypatch, transposed):
+    """A TMA product launch from a kept plan passes what a launch planned anew passes, for
+    new tensors of one layout and after the layout or the batch changes."""
+    from muon_offload.kernels import gram_tma, poly_apply_tma
+    from muon_offload.kernels.poly_apply_tma import apply_kernel_args
+
+    gram_config = next(c for c in GRAM_CONFIGS if c.tma)
+    poly_config = next(c for c in POLY_APPLY_CONFIGS if c.tma)
+    runs = []
+    for kept in (True, False):
+        recorder = _Recorder()
+        monkeypatch.setattr(gram_tma, "_sym_gram_tma_kernel", recorder)
+        monkeypatch.setattr(poly_apply_tma, "_poly_apply_tma_kernel", recorder)
+        for batch in (3, 3, 5):
+            if not kept:
+                gram_tma._PLANS.clear()
+                poly_apply_tma._PLANS.clear()
+            x = torch.randn(batch, 128, 192, dtype=torch.bfloat16)
+            x = x.mT.contiguous().mT if transposed else x
+            gram = torch.empty(batch, 128, 128, dtype=torch.bfloat16)
+            gram_tma._launch_tma(x, x, None, gram, 1.0, 0.0, 0.0, False, gram_config, None)
+            out = torch.empty_like(x)
+            apply = apply_kernel_args(None, None, x)
+            poly_apply_tma._launch_tma(gram, x, out, 1.5, poly_config, None, apply)
+        runs.append([(g, _described(a), k) for g, a, k in recorder.launches])
+    assert runs[0] == runs[1]
