@@ -11,7 +11,8 @@ fresh interpreters, no CUDA context), which writes the binary into Triton's disk
 Triton's own compile runs here, on a thread, and finds it there: the same source, signature,
 options and environment, so the same cache key and the same binary. Processes, not threads:
 triton 3.6's compile holds the GIL (eight variants took as long on two threads as on one;
-triton 3.9 releases it in part: 0.74 of the time).
+triton 3.9 releases it in part: 0.74 of the time). That thread then makes the kernel's
+launcher (``_launchers.py``: on triton 3.6 a C build its first launch would run in the step).
 
 ``compile_then_tune(device, run, what)`` is the pass a first step runs: ``run()`` in a block
 where a key the tuner must time compiles only its candidates' timing launches, the timing of
@@ -41,6 +42,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
+from . import _launchers
 from ._launch import AHEAD, interpreted, launches_only_compile
 
 ENV = "MUON_OFFLOAD_PARALLEL_COMPILE"
@@ -197,24 +199,31 @@ class CompileExecutor(Executor):
         self.workers = Workers(count, command) if workers is None else workers
         self._threads = ThreadPoolExecutor(count, thread_name_prefix="muon-offload-load")
         self.submitted = 0  # compiles (variants) submitted
+        self.launchers = 0  # of their kernels' launchers made (``_launchers.build``)
+        self._counted = threading.Lock()
         self.keep = False  # shutdown leaves the worker processes running (for another block)
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         self.submitted += 1
         job = _job(fn) if not (args or kwargs) else None
         ahead = None if job is None else self.workers.submit(job)
-        return self._threads.submit(_after, ahead, fn, *args, **kwargs)
+        return self._threads.submit(self._load, ahead, fn, *args, **kwargs)
+
+    def _load(self, ahead: Future | None, fn: Callable, *args, **kwargs):
+        """Triton's compile (a disk-cache hit after the worker's), then the kernel's launcher
+        (a C build on triton 3.6, which its first launch would run in the step)."""
+        if ahead is not None:
+            ahead.result()  # its error, if any, comes again from fn: the compile that counts
+        kernel = fn(*args, **kwargs)
+        if _launchers.build(kernel):
+            with self._counted:
+                self.launchers += 1
+        return kernel
 
     def shutdown(self, wait: bool = True, **kwargs) -> None:
         self._threads.shutdown(wait)
         if not self.keep:
             self.workers.close()
-
-
-def _after(ahead: Future | None, fn: Callable, *args, **kwargs):
-    if ahead is not None:
-        ahead.result()  # its error, if any, comes again from fn: the compile that counts
-    return fn(*args, **kwargs)
 
 
 # The worker processes ``prestart`` started, kept for the next block; once a process.
@@ -304,8 +313,11 @@ def compiling_ahead(
     finally:
         _uninstall()
     seconds = time.perf_counter() - start
-    line = "muon-offload: compiled %d kernel variants ahead (the %s) in %.1f s, %d processes"
-    _LOG.info(line, pool.submitted, what, seconds, count)
+    line = (
+        "muon-offload: compiled %d kernel variants ahead (the %s) in %.1f s, %d processes, "
+        "%d launchers made"
+    )
+    _LOG.info(line, pool.submitted, what, seconds, count, pool.launchers)
 
 
 def compile_then_tune(device: torch.device, run: Callable[[], None], what: str) -> bool:

@@ -96,6 +96,56 @@ def test_the_pool_compiles_in_parallel_and_the_block_waits_for_every_compile(
     assert async_compile.active_mode.get() is None
 
 
+class _Compiled:
+    """A compiled kernel as Triton's compile returns it, as far as its launcher reads it."""
+
+    def __init__(self, i: int, signature: dict) -> None:
+        self.src = type("Source", (), {"signature": signature})()
+        self.metadata = type("Metadata", (), {"tensordesc_meta": None})()
+        self.i = i
+
+
+def test_each_compiled_kernel_has_its_launcher_made_on_a_load_thread_before_the_block_ends(
+    monkeypatch, compiled_kind, caplog
+):
+    """Triton 3.6 builds a kernel's C launcher (gcc) at its first launch, one after another in
+    the step: inside the block each compiled kernel's launcher is made (the driver's launcher
+    class, on the kernel's source and metadata) on the pool's threads, two of other signatures
+    at once (a barrier of two), before the block ends; a compile's other results are left
+    alone, and a launcher that fails is one warning: the kernel is still finalized."""
+    from muon_offload.kernels import _launchers
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(_launchers, "_WARNED", [False])
+    barrier = threading.Barrier(2, timeout=30)
+    made = []
+
+    class Launcher:
+        def __init__(self, src, metadata):
+            name = src.signature["x"]
+            if name in ("*fp32", "*bf16"):
+                barrier.wait()  # raises BrokenBarrierError when made one at a time
+            if name == "*fp16":
+                raise RuntimeError("no C compiler")
+            made.append((name, threading.current_thread().name))
+
+    monkeypatch.setattr(_launchers, "launcher_class", lambda: Launcher)
+    kernels = [_Compiled(i, {"x": t}) for i, t in enumerate(("*fp32", "*bf16", "*fp16"))]
+    finalized = []
+    with precompile.compiling_ahead(CUDA) as ahead:
+        assert ahead
+        mode = async_compile.active_mode.get()
+        cleanup = () if "cleanup_fn" not in inspect.signature(mode.submit).parameters else (id,)
+        for k in kernels:
+            mode.submit(k.i, lambda k=k: k, finalized.append, *cleanup)
+        mode.submit("other", lambda: "not a kernel", finalized.append, *cleanup)
+    assert sorted(n for n, _ in made) == ["*bf16", "*fp32"]
+    assert all(t.startswith("muon-offload-load") for _, t in made)
+    assert len(finalized) == 4 and all(k in finalized for k in kernels)
+    warned = [r for r in caplog.records if "launcher ahead failed" in r.getMessage()]
+    assert len(warned) == 1 and "no C compiler" in warned[0].getMessage()
+
+
 def test_inside_the_block_the_tuner_compiles_every_candidate_and_decides_nothing(
     monkeypatch, compiled_kind, tmp_path
 ):
@@ -502,3 +552,4 @@ def test_a_pass_leaves_its_processes_to_the_next_for_a_while(monkeypatch):
     precompile._park(third)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/another/cache")
     assert precompile._take_early() is None and closed(third)
+
