@@ -14,11 +14,13 @@ triton 3.6's compile holds the GIL (eight variants took as long on two threads a
 triton 3.9 releases it in part: 0.74 of the time). That thread then makes the kernel's
 launcher (``_launchers.py``: on triton 3.6 a C build its first launch would run in the step).
 
-``compile_then_tune(device, run, what)`` is the pass a first step runs: ``run()`` in a block
-where a key the tuner must time compiles only its candidates' timing launches, the timing of
-those keys after it (on the card), then ``run()`` in a second block that compiles each winner's
-own launch, on the same worker processes. ``prestart(device)`` starts the processes early (an
-optimizer's construction), so that their start is off the first compile's path.
+``compile_then_tune(device, run, what)`` is the pass a first step runs: ``run`` (one callable
+a unit) in a block where a key the tuner must time compiles only its candidates' timing
+launches, the timing of those keys after it (on the card), and beside that timing, on a
+thread, each unit that left keys run again in a second block once they are timed: it compiles
+each winner's own launch, on the same worker processes. ``prestart(device)`` starts the
+processes early (an optimizer's construction), so that their start is off the first compile's
+path.
 
 The launches inside the block must go to scratch tensors with the shapes, dtypes, strides and
 alignment of the step's (the variant is read off them): their results are garbage. Only on
@@ -29,6 +31,7 @@ elsewhere the block changes nothing and the launches run as usual.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -44,6 +47,7 @@ import torch
 
 from . import _launchers
 from ._launch import AHEAD, interpreted, launches_only_compile
+from ._winners import Winners, this_stream
 
 ENV = "MUON_OFFLOAD_PARALLEL_COMPILE"
 _LOG = logging.getLogger("muon_offload")
@@ -320,32 +324,39 @@ def compiling_ahead(
     _LOG.info(line, pool.submitted, what, seconds, count, pool.launchers)
 
 
-def compile_then_tune(device: torch.device, run: Callable[[], None], what: str) -> bool:
-    """``run()`` (launches) inside ``compiling_ahead``, where a key the tuner must time
-    compiles its candidates' timing launches only (``AHEAD.pending``); those keys are then
-    timed here, outside the block (on the card, on binaries the block compiled), and ``run()``
-    again inside a second block, on the same processes, compiles each winner's own launch:
-    the step that follows compiles nothing and times nothing, and the launches that lose the
-    timing are never compiled. The processes then wait ``PARKED_S`` for the next pass. Whether
-    the launches compiled ahead (``enabled(device)``)."""
+def compile_then_tune(device: torch.device, run, what: str) -> bool:
+    """``run`` (launches: a callable, or a sequence of them, one a unit) inside
+    ``compiling_ahead``, where a key the tuner must time compiles its candidates' timing
+    launches only (``AHEAD.pending``); those keys are then timed here, one after another,
+    outside the block (on the card, on binaries the block compiled), while another thread
+    (``_winners.Winners``) runs again, inside a second block on the same processes, each
+    unit that left keys to time, once its keys are timed: it compiles each winner's own
+    launch. The step that follows compiles nothing and times nothing, and the launches that
+    lose the timing are never compiled. The processes then wait ``PARKED_S`` for the next
+    pass. Whether the launches compiled ahead (``enabled(device)``)."""
     from ._launch import TUNER
 
     if not enabled(device) or launches_only_compile():
         return False
+    units = [run] if callable(run) else list(run)
     processes = _take_early() or Workers(workers())
     try:
-        AHEAD.pending = []
+        AHEAD.pending, owners = [], []  # the keys left to time, the unit that left each
         try:
             with compiling_ahead(device, what, processes):
-                run()
-            pending, AHEAD.pending = AHEAD.pending, None
+                for u, unit in enumerate(units):
+                    unit()
+                    owners += [u] * (len(AHEAD.pending) - len(owners))
+            pending = AHEAD.pending
         finally:
             AHEAD.pending = None
         if pending:
-            for kernel, key, configs, *rest in pending:
-                TUNER.choose(kernel, key, configs, *rest)
-            with compiling_ahead(device, f"{len(pending)} tuned keys' winners", processes):
-                run()
+            what = f"{len(pending)} tuned keys' winners, beside their timing"
+            block = functools.partial(compiling_ahead, device, what, processes)
+            with Winners(units, owners, block, this_stream(device)) as winners:
+                for n, (kernel, key, configs, *rest) in enumerate(pending):
+                    TUNER.choose(kernel, key, configs, *rest)
+                    winners.timed(n)
     finally:
         _park(processes)  # for the next pass, a while
     return True

@@ -553,3 +553,57 @@ def test_a_pass_leaves_its_processes_to_the_next_for_a_while(monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", "/another/cache")
     assert precompile._take_early() is None and closed(third)
 
+
+def test_a_units_winners_compile_while_the_next_units_keys_are_timed(monkeypatch, compiled_kind):
+    """``compile_then_tune`` with one callable a unit: a unit that left keys to time runs
+    again in the second block (on another thread, its launches only compiling) as soon as its
+    last key is timed, while the next unit's keys are timed; each key is timed once, a unit
+    that left none does not run again, and an error in the timing is raised, leaving the
+    units not yet run to the step."""
+
+    def start(self):
+        raise OSError("no process here")  # no worker processes: nothing here compiles
+
+    monkeypatch.setattr(precompile.Workers, "_start", start)
+    monkeypatch.setattr(precompile, "_EARLY", [None, True])
+    ran = {name: threading.Event() for name in "abc"}
+    events, timed = [], []
+
+    def unit(name, keys):
+        def run():
+            pending = getattr(_launch.AHEAD, "pending", None)
+            events.append((name, pending is not None, _launch.launches_only_compile()))
+            if pending is not None:  # the first block: the keys left to time
+                pending.extend((name, (k,), (), None) for k in range(keys))
+                return
+            assert {(name, k) for k in range(keys)} <= set(timed)  # decided, every key
+            ran[name].set()
+
+        return run
+
+    class Tuner:
+        def choose(self, kernel, key, configs, *rest):
+            assert not _launch.launches_only_compile()  # on the card, outside the blocks
+            if kernel == "c":  # the first unit's winners compile meanwhile
+                assert ran["a"].wait(timeout=30), "the second block waited for every key"
+            if kernel == "c" and key == (1,) and fail:
+                raise RuntimeError("a timing failed")
+            timed.append((kernel, key[0]))
+
+    monkeypatch.setattr(_launch, "TUNER", Tuner())
+    runs = [unit("a", 2), unit("b", 0), unit("c", 2)]
+    for fail in (False, True):
+        events.clear()
+        timed.clear()
+        for event in ran.values():
+            event.clear()
+        if fail:
+            with pytest.raises(RuntimeError, match="a timing failed"):
+                precompile.compile_then_tune(CUDA, runs, "test")
+        else:
+            assert precompile.compile_then_tune(CUDA, runs, "test")
+        precompile._take_early().close()
+        first = [(n, True, True) for n in "abc"]
+        second = [("a", False, True)] + ([] if fail else [("c", False, True)])
+        assert events[:3] == first and sorted(events[3:]) == second
+        assert timed == [("a", 0), ("a", 1), ("c", 0)] + ([] if fail else [("c", 1)])

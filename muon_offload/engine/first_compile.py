@@ -5,8 +5,9 @@ another, inside the step (0.5 to 3.4 s each, twenty for a mixture-of-experts mod
 step whose plan holds units of a kind this process has not run, ``before`` runs
 one unit of each new kind inside ``kernels.precompile.compile_then_tune``: there the launches
 only compile, each on a pool of worker processes at once (started at the optimizer's
-construction: ``prestart``), keys new to the tuner are timed between its two blocks, and the
-step that follows finds every variant compiled and every key decided.
+construction: ``prestart``), keys new to the tuner are timed after its first block, while a
+unit whose keys are timed compiles its winners in the second (one callable a unit), and the
+step that follows finds every variant compiled, its launcher made, and every key decided.
 
 A unit's kind is what its variants are read off: the algorithm and the settings its launches
 bake (``Algorithm.baked``), the state format, and each tensor's shape, strides, dtype and
@@ -28,6 +29,7 @@ in the pass is a warning, once a process, and the step runs as it would without 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -95,13 +97,9 @@ def compile_ahead(ctx: StepContext, layouts, rows, device: torch.device) -> int:
     # The random state as it was: a tuner's scratch (``scratch_like``) draws from it.
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(cuda):
-        scratch = [(unit, _scratch_job(job, device)) for _, (unit, job) in todo]
-
-        def run() -> None:
-            for unit, job in scratch:
-                _run(unit, job)
-
-        precompile.compile_then_tune(device, run, what)
+        # One callable a unit: its tuned winners compile as soon as its own keys are timed.
+        runs = [functools.partial(_run, unit, _scratch_job(job, device)) for _, (unit, job) in todo]
+        precompile.compile_then_tune(device, runs, what)
     return len(todo)
 
 
