@@ -233,76 +233,79 @@ def loadable_formats(opt, p: Tensor) -> tuple[StateFormat, ...]:
     return tuple(f for f in dict.fromkeys(formats) if not isinstance(f, Dense))
 
 
-class CheckpointMixin:
-    """The checkpoint methods of ``ChunkedOptimizer`` (mixed in before ``Optimizer``)."""
+class Checkpoints:
+    """What the optimizer's ``state_dict``, ``load_state_dict`` and ``__getstate__`` do. Each
+    is handed the optimizer (``opt``: its groups, state, hooks and group reads are torch's
+    and its own) and torch's method of that name, which it runs inside."""
 
-    # The state dict key of a parameter's step count: torch's AdamW ``step`` (``Muon``: dion's).
-    step_count_key = "step"
+    def __init__(self, settings, streams, states, counts, handed_scales, plans) -> None:
+        self._settings, self._streams, self._states = settings, streams, states
+        self._counts, self._handed_scales, self._plans = counts, handed_scales, plans
 
-    def state_dict(self) -> dict:
+    def save(self, opt, torch_state_dict: Callable[[], dict]) -> dict:
         self._streams.synchronize()
         self._handed_scales.pull()  # scales loaded in place into the last state_dict()
         # 8-bit scales of DTensor parameters: as DTensors that distributed checkpoints shard.
-        out = lay_out(self, super().state_dict())
+        out = lay_out(opt, torch_state_dict())
         state = out["state"]
-        for i, (gi, p) in enumerate(self._params()):
-            algorithm = self.algorithms[self.param_groups[gi]["algorithm"]]
+        for i, (gi, p) in enumerate(opt._params()):
+            algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
             if algorithm.counts_steps and i in state:
                 # The live count (a view the next step reads: an in-place load restores it), in
                 # a new dict, so the live state holds no count of its own.
-                state[i] = {**state[i], self.step_count_key: self._counts.tensor(p)}
+                state[i] = {**state[i], opt.step_count_key: self._counts.tensor(p)}
         return out
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load(self, opt, state_dict: dict) -> None:
         """Load into the existing state tensors (host slabs stay where they are), converting
         dtype and device as needed. Everything is checked before anything is written."""
         state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
+        for hook in opt._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(opt, state_dict)
             if result is not None:
                 state_dict = result
         saved_groups, saved_state = check_structure(state_dict)
-        new_groups = check_groups(self.param_groups, saved_groups)
-        hypers = [self._read_hyper(g, i) for i, g in enumerate(new_groups)]
+        new_groups = check_groups(opt.param_groups, saved_groups)
+        hypers = [opt._read_hyper(g, i) for i, g in enumerate(new_groups)]
         loaded = check_state(
-            self.param_groups,
+            opt.param_groups,
             saved_groups,
             saved_state,
             hypers,
-            self.algorithms,
-            partial(loadable_formats, self),
-            lambda gi, p: loaded_matrices(self, hypers[gi], p),
+            opt.algorithms,
+            partial(loadable_formats, opt),
+            lambda gi, p: loaded_matrices(opt, hypers[gi], p),
         )
-        counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
-        counts = loaded_counts(self.param_groups, saved_groups, saved_state, counted)
+        counted = [opt.algorithms[h.algorithm].counts_steps for h in hypers]
+        counts = loaded_counts(opt.param_groups, saved_groups, saved_state, counted)
         self._streams.synchronize()
-        detach_aliases(loaded, self.state)
+        detach_aliases(loaded, opt.state)
         # State made before the parameters moved moves first.
-        self._states.follow_device(self.state, self.param_groups, hypers, self._placement)
-        for p in check_live_layout(self, hypers):
-            self.state[p] = {}  # as made, of another layout: made afresh by the next line
+        self._states.follow_device(opt.state, opt.param_groups, hypers, opt._placement)
+        for p in check_live_layout(opt, hypers):
+            opt.state[p] = {}  # as made, of another layout: made afresh by the next line
         # May allocate (and fail) before anything is written.
-        self._states.ensure(self.state, self.param_groups, hypers, self._placement)
-        for group, new in zip(self.param_groups, new_groups, strict=True):
+        self._states.ensure(opt.state, opt.param_groups, hypers, opt._placement)
+        for group, new in zip(opt.param_groups, new_groups, strict=True):
             group.clear()
             group.update(new)
-        copy_state(self, loaded)
-        for key in [k for k in self.state if not isinstance(k, Tensor)]:
-            del self.state[key]  # as torch's load: the loaded dict's own entries replace them
-        self.state.update(carried(saved_state, saved_groups))
+        copy_state(opt, loaded)
+        for key in [k for k in opt.state if not isinstance(k, Tensor)]:
+            del opt.state[key]  # as torch's load: the loaded dict's own entries replace them
+        opt.state.update(carried(saved_state, saved_groups))
         for p, count in counts.items():
             self._counts.set(p, count)
         self._counts.drop_retired()
         self._handed_scales.clear()
-        self._store.pristine.clear()
+        self._states.store.pristine.clear()
         self._plans.clear()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for hook in opt._optimizer_load_state_dict_post_hooks.values():
+            hook(opt)
 
-    def __getstate__(self) -> dict:
+    def for_copy(self, opt, torch_getstate: Callable[[], dict]) -> dict:
         """For ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)``: settings, groups and
-        state values; the copy builds its own host slabs and streams (``__setstate__``)."""
-        if any(self._mesh_of(gi).group is not None for gi in range(len(self.param_groups))):
+        state values; the copy builds its own host slabs and streams (``restore_copy``)."""
+        if any(opt._mesh_of(gi).group is not None for gi in range(len(opt.param_groups))):
             raise TypeError(
                 "an optimizer with a distributed mesh cannot be copied or pickled (process "
                 "groups are not picklable); save opt.state_dict() instead"
@@ -310,39 +313,42 @@ class CheckpointMixin:
         self._streams.synchronize()
         self._handed_scales.pull()
         # The counts of parameters with state (one whose state was dropped starts afresh).
-        counts = {p: self._counts.get(p) for _, p in self._params() if self.state.get(p)}
-        state = {**super().__getstate__(), "_settings": self._settings.now, "_step_counts": counts}
-        if "algorithms" in vars(self):  # Muon's own (its orthogonalizer); AdamW's are its class's
-            state["algorithms"] = self.algorithms
+        counts = {p: self._counts.get(p) for _, p in opt._params() if opt.state.get(p)}
+        state = {**torch_getstate(), "_settings": self._settings.now, "_step_counts": counts}
+        if "algorithms" in vars(opt):  # Muon's own (its orthogonalizer); AdamW's are its class's
+            state["algorithms"] = opt.algorithms
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        values, settings = state.pop("state"), state.pop("_settings")
-        counts = state.pop("_step_counts", {})
-        super().__setstate__({**state, "state": {}})
-        self._setup(settings, resolve_mesh(None))
-        self._constructed = True
-        for group in self.param_groups:  # no meshes here, but DTensor parameters may be
-            graphing = self._graphing
-            graphing.blocker = graphing.blocker or capture_rules.group_blocker(group, None)
-        self.state = defaultdict(dict)
-        formats = partial(loadable_formats, self)
-        hypers = [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
-        algorithms = [self.algorithms[h.algorithm] for h in hypers]
-        loaded = {
-            p: {
-                key: _checked_entry(values[p], key, kind, p, "copy", formats(p), None, shapes)
-                for key, kind, shapes in key_shapes(algorithms[gi], p)
-            }
-            for gi, p in self._params()
-            if values.get(p)
+
+def restore_copy(opt, state: dict, torch_setstate: Callable[[dict], None]) -> None:
+    """``__setstate__``: a copy's groups and settings, its own parts, its state made as at
+    construction and the copied values loaded into it."""
+    state = dict(state)
+    values, settings = state.pop("state"), state.pop("_settings")
+    counts = state.pop("_step_counts", {})
+    torch_setstate({**state, "state": {}})
+    opt._setup(settings, resolve_mesh(None))
+    opt._constructed = True
+    for group in opt.param_groups:  # no meshes here, but DTensor parameters may be
+        graphing = opt._graphing
+        graphing.blocker = graphing.blocker or capture_rules.group_blocker(group, None)
+    opt.state = defaultdict(dict)
+    formats = partial(loadable_formats, opt)
+    hypers = [opt._read_hyper(g, i) for i, g in enumerate(opt.param_groups)]
+    algorithms = [opt.algorithms[h.algorithm] for h in hypers]
+    loaded = {
+        p: {
+            key: _checked_entry(values[p], key, kind, p, "copy", formats(p), None, shapes)
+            for key, kind, shapes in key_shapes(algorithms[gi], p)
         }
-        # Every parameter's, as at construction.
-        self._states.ensure(self.state, self.param_groups, hypers, self._placement)
-        if loaded:
-            copy_state(self, loaded)
-            self._store.pristine.clear()
-        self.state.update({k: v for k, v in values.items() if not isinstance(k, Tensor)})
-        for p, count in counts.items():
-            self._counts.set(p, count)
+        for gi, p in opt._params()
+        if values.get(p)
+    }
+    # Every parameter's, as at construction.
+    opt._states.ensure(opt.state, opt.param_groups, hypers, opt._placement)
+    if loaded:
+        copy_state(opt, loaded)
+        opt._store.pristine.clear()
+    opt.state.update({k: v for k, v in values.items() if not isinstance(k, Tensor)})
+    for p, count in counts.items():
+        opt._counts.set(p, count)

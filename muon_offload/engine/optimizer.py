@@ -33,7 +33,7 @@ from ..distributed import (
 )
 from . import capture_rules, first_compile
 from .algorithm import Algorithm, Hyper, common_backends
-from .checkpoint import CheckpointMixin
+from .checkpoint import Checkpoints, restore_copy
 from .chunks import StepContext, run_chunk, write_back
 from .delegated import Delegated
 from .grad_table import GradTable, grad_table
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
 
-class ChunkedOptimizer(CheckpointMixin, Optimizer):
+class ChunkedOptimizer(Optimizer):
     """Base class of the chunked, optionally offloaded, optimizers."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
@@ -65,6 +65,8 @@ class ChunkedOptimizer(CheckpointMixin, Optimizer):
     # Chooses each parameter's state format (``StatePolicy``); a subclass may name another
     # policy, whose formats are new ones (docs/design.md, "State formats").
     state_policy = StatePolicy
+    # The state dict key of a parameter's step count: torch's AdamW ``step`` (``Muon``: dion's).
+    step_count_key = "step"
 
     # The settings it was built with, as attributes (``prefetch`` is the method; its setting
     # is ``Settings.prefetch``); assigned, checked as the constructor's were.
@@ -129,9 +131,29 @@ class ChunkedOptimizer(CheckpointMixin, Optimizer):
         parts = (self._store, self._counts, self._plans, self._streams, self._handed_scales)
         self._states = StateBuilder(self.algorithms, policy, self._settings, *parts)
         self._planner = StepPlanner(self._settings, self._states, self._plans)
+        parts = (self._counts, self._handed_scales, self._plans)
+        self._checkpoints = Checkpoints(self._settings, self._streams, self._states, *parts)
         self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
         self._grad_table: GradTable | None = None  # the step's gradient addresses (Triton path)
         self._cpu_notice_given = False
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        return self._checkpoints.save(self, super().state_dict)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the existing state tensors (host slabs stay where they are), converting
+        dtype and device as needed. Everything is checked before anything is written."""
+        self._checkpoints.load(self, state_dict)
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy``, ``pickle`` and ``torch.save(opt)``: settings, groups and
+        state values; the copy builds its own host slabs and streams (``__setstate__``)."""
+        return self._checkpoints.for_copy(self, super().__getstate__)
+
+    def __setstate__(self, state: dict) -> None:
+        restore_copy(self, state, super().__setstate__)
 
     # ----------------------------------------------------------------- groups
 
