@@ -4,8 +4,8 @@ A step runs in four stages:
 1. read and check every group and gradient (nothing is touched before this passes);
 2. create missing state (``state.py``): in pinned host slabs (offloaded) or beside the
    parameters (resident), in the planner's order so each chunk's state is mostly one range;
-3. plan (``planner.py``): units and chunks of at most ``chunk_bytes`` of state (cached while
-   the set of parameters with gradients stays the same);
+3. plan (``planner.py``, ``step_plans.py``): units and chunks of at most ``chunk_bytes`` of
+   state (cached while the set of parameters with gradients stays the same);
 4. run the chunks through the scheduler (``scheduler.py``): load, let each unit's algorithm
    update it, store back; the element-wise-only chunks on the scheduler's side lane. An
    exception becomes ``StepInterrupted`` (``interrupt.py``).
@@ -58,7 +58,13 @@ LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communicatio
 
 
 class ChunkedOptimizer(Optimizer):
-    """Base class of the chunked, optionally offloaded, optimizers."""
+    """Base class of the chunked, optionally offloaded, optimizers.
+
+    It holds its parts (``_setup``): the settings as they are now, the state store and its
+    builder (``StateBuilder``), the step planner and its cache, the scheduler (``Streams``),
+    the CUDA graphs (``GraphRunner``), the prefetch hooks (``Prefetcher``), the checkpoint
+    reader and writer (``Checkpoints``) and what tools read (``Tools``). A public method of
+    one of them is the optimizer's of that name (``Delegated``)."""
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
     algorithms: dict[str, Algorithm] = {}
@@ -108,33 +114,34 @@ class ChunkedOptimizer(Optimizer):
         first_compile.prestart(self)  # the first step's compile workers, starting meanwhile
 
     def _setup(self, settings: Settings, mesh: Mesh) -> None:
-        """The engine's own attributes: settings, and nothing built yet."""
+        """The engine's parts, nothing built yet: what they share, then the collaborators
+        that do the work, each handed the shared parts it reads."""
         self._mesh = mesh
         self._group_meshes: dict[int, Mesh] = {}
         self._agreements = StepAgreements()  # filled in __init__ and add_param_group
-        # Read as attributes (opt.chunk_bytes, ...), and by the collaborators, as they are now.
-        self._settings = LiveSettings(settings, common_backends(self.algorithms.values()))
-        # (plan, transfers, layouts, side, the work planned) by what they depend on (``_plan``);
-        # cleared whenever state is created or loaded and when the budgets change.
-        self._plans = PlanCache()
-        self._store = StateStore()
-        self._streams = Streams(self._store)  # the scheduler, made for the step's device
-        self._tools = Tools(self._store, self._streams, self._settings, self._plans)
-        self._counts = StepCounts()  # each parameter's count of the steps that updated it
-        self._handed_scales = HandedScales()  # 8-bit rows state_dict() copied (sharded_scales)
-        # cuda_graph: eager, or captured and replayed; "auto" stays eager on a gloo mesh.
-        blocker = capture_rules.mesh_blocker(mesh.group)
-        self._graphing = GraphRunner(self._settings, self._streams, self.algorithms, blocker)
-        parts = (self._streams, self._plans, self._store, self._handed_scales, self._graphing)
-        self._prefetcher = Prefetcher(self._settings, *parts)  # and its backward hooks
+        # The settings as they are now (read as opt.chunk_bytes, ...); the plans by what they
+        # depend on (cleared when state is created or loaded, or the budgets change); where
+        # state lives; each parameter's count of the steps that updated it; the 8-bit rows
+        # the last state_dict() handed out (sharded_scales.py).
+        self._settings = live = LiveSettings(settings, common_backends(self.algorithms.values()))
+        self._plans = plans = PlanCache()
+        self._store = store = StateStore()
+        self._counts = counts = StepCounts()
+        self._handed_scales = handed = HandedScales()
+        self._streams = streams = Streams(store)  # the scheduler, made for the step's device
         policy = self.state_policy(settings.state_dtype)
-        parts = (self._store, self._counts, self._plans, self._streams, self._handed_scales)
-        self._states = StateBuilder(self.algorithms, policy, self._settings, *parts)
-        self._planner = StepPlanner(self._settings, self._states, self._plans)
-        parts = (self._counts, self._handed_scales, self._plans)
-        self._checkpoints = Checkpoints(self._settings, self._streams, self._states, *parts)
-        self._scalars: ScalarTable | None = None  # the step's scalar table (Triton path)
-        self._grad_table: GradTable | None = None  # the step's gradient addresses (Triton path)
+        self._states = states = StateBuilder(
+            self.algorithms, policy, live, store, counts, plans, streams, handed
+        )
+        self._planner = StepPlanner(live, states, plans)
+        blocker = capture_rules.mesh_blocker(mesh.group)  # "auto" stays eager on a gloo mesh
+        self._graphing = graphing = GraphRunner(live, streams, self.algorithms, blocker)
+        self._prefetcher = Prefetcher(live, streams, plans, store, handed, graphing)
+        self._checkpoints = Checkpoints(live, streams, states, counts, handed, plans)
+        self._tools = Tools(store, streams, live, plans)
+        # The step's tables (Triton path): its scalars, its gradients' addresses.
+        self._scalars: ScalarTable | None = None
+        self._grad_table: GradTable | None = None
         self._cpu_notice_given = False
 
     # ------------------------------------------------------------ checkpoints

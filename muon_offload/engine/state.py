@@ -158,10 +158,13 @@ class StateBuilder:
     the optimizer's live ``state`` and ``param_groups`` with each call (both may be replaced
     between calls), and ``placement(group index, parameter, hyper)`` where it plans."""
 
-    def __init__(self, algorithms, policy: StatePolicy, settings, store, counts, *parts) -> None:
+    def __init__(
+        self, algorithms, policy: StatePolicy, settings, store, counts, plans, streams, handed
+    ) -> None:
         self.algorithms, self.policy, self._settings = algorithms, policy, settings
         self.store, self._counts = store, counts
-        self._plans, self._streams, self._handed_scales = parts  # cleared, waited on, pulled
+        # Cleared when state is made, waited on before bytes are reused, pulled at a step.
+        self._plans, self._streams, self._handed_scales = plans, streams, handed
 
     def format(self, p: Tensor):
         """The format of ``p``'s state: as created, or as it would be created now."""
