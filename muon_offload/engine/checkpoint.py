@@ -25,7 +25,7 @@ from . import capture_rules
 from .algorithm import Hyper
 from .saved_groups import carried, check_groups, check_structure, listed_keys, names_no_parameter
 from .sharded_scales import crop, lay_out, strip_rank_dims
-from .state import key_shapes
+from .state import group_pairs, key_shapes
 from .state_format import Dense, StateFormat, StatePolicy
 from .step_counts import loaded_counts
 
@@ -149,26 +149,27 @@ def _checked_entry(
     return fmt, tuple(out)
 
 
-def check_live_layout(opt, hypers: Sequence[Hyper]) -> list[Tensor]:
+def check_live_layout(states, state: dict, groups, hypers: Sequence[Hyper]) -> list[Tensor]:
     """The live side tensors (8-bit scales) must be laid out as the loaded groups lay them
     out: a load that changes a group's ``flatten`` cannot re-cut the blocks of a stack whose
     8-bit state holds values. State as created (no step or load since:
     ``StateStore.pristine``) is made afresh instead, as if it did not exist yet: returned,
-    those parameters."""
+    those parameters. ``states``: the optimizer's ``StateBuilder``; ``state`` and ``groups``:
+    its live state and param groups."""
     afresh = []
-    for gi, p in opt._params():
-        fmt, state = opt._store.formats.get(p), opt.state.get(p, {})
+    for gi, p in group_pairs(groups):
+        fmt, values = states.store.formats.get(p), state.get(p, {})
         if fmt is None:
             continue
-        algorithm = opt.algorithms[hypers[gi].algorithm]
-        count = loaded_matrices(opt, hypers[gi], p)
+        algorithm = states.algorithms[hypers[gi].algorithm]
+        count = loaded_matrices(states.algorithms, hypers[gi], p)
         shape = local(p).shape
         specs = StatePolicy.specs(fmt, shape, algorithm.state_shapes(shape), count)
         for name, shape, _ in specs:
-            t = state.get(name)
+            t = values.get(name)
             if not fmt.is_side(name) or t is None or local(t).shape == shape:
                 continue
-            if p in opt._store.pristine:
+            if p in states.store.pristine:
                 afresh.append(p)
                 break
             raise ValueError(
@@ -199,14 +200,14 @@ def detach_aliases(loaded: dict[Tensor, dict[str, Entry]], state: dict) -> None:
             )
 
 
-def copy_state(opt, loaded: dict[Tensor, dict[str, Entry]]) -> None:
+def copy_state(states, state: dict, groups, loaded: dict[Tensor, dict[str, Entry]]) -> None:
     """Write loaded values into the live state tensors, converting between formats (through
     fp32: ``StateFormat.to_dense`` / ``from_dense``) where they differ; state not in the dict
-    is zeroed."""
-    for gi, p in opt._params():
-        algorithm = opt.algorithms[opt.param_groups[gi]["algorithm"]]
-        fmt = opt._store.formats[p]
-        live = opt.state[p]
+    is zeroed (``check_live_layout``'s arguments)."""
+    for gi, p in group_pairs(groups):
+        algorithm = states.algorithms[groups[gi]["algorithm"]]
+        fmt = states.store.formats[p]
+        live = state[p]
         for key, kind, _ in algorithm.state_shapes(local(p).shape):
             targets = tuple(local(live[name]) for name in fmt.names(key))
             if p not in loaded:
@@ -221,15 +222,16 @@ def copy_state(opt, loaded: dict[Tensor, dict[str, Entry]]) -> None:
                 fmt.from_dense(source_fmt.to_dense(source, kind), kind, targets)
 
 
-def loaded_matrices(opt, hyper: Hyper, p: Tensor) -> int:
+def loaded_matrices(algorithms: dict, hyper: Hyper, p: Tensor) -> int:
     """How many matrices ``p``'s state counts blocks over on this rank in a group read as
     ``hyper``: its algorithm's (``Algorithm.matrices``: a Muon stack's, unless it flattens)."""
-    return opt.algorithms[hyper.algorithm].matrices(local(p).shape, hyper)
+    return algorithms[hyper.algorithm].matrices(local(p).shape, hyper)
 
 
-def loadable_formats(opt, p: Tensor) -> tuple[StateFormat, ...]:
-    """The formats a loaded entry of ``p`` may hold besides dense: its own, then the policy's."""
-    formats = (opt._states.format(p), *opt._states.policy.loadable())
+def loadable_formats(states, p: Tensor) -> tuple[StateFormat, ...]:
+    """The formats a loaded entry of ``p`` may hold besides dense: its own, then the policy's
+    (``states``: the optimizer's ``StateBuilder``)."""
+    formats = (states.format(p), *states.policy.loadable())
     return tuple(f for f in dict.fromkeys(formats) if not isinstance(f, Dense))
 
 
@@ -273,8 +275,8 @@ class Checkpoints:
             saved_state,
             hypers,
             opt.algorithms,
-            partial(loadable_formats, opt),
-            lambda gi, p: loaded_matrices(opt, hypers[gi], p),
+            partial(loadable_formats, self._states),
+            lambda gi, p: loaded_matrices(self._states.algorithms, hypers[gi], p),
         )
         counted = [opt.algorithms[h.algorithm].counts_steps for h in hypers]
         counts = loaded_counts(opt.param_groups, saved_groups, saved_state, counted)
@@ -282,14 +284,14 @@ class Checkpoints:
         detach_aliases(loaded, opt.state)
         # State made before the parameters moved moves first.
         self._states.follow_device(opt.state, opt.param_groups, hypers, opt._placement)
-        for p in check_live_layout(opt, hypers):
+        for p in check_live_layout(self._states, opt.state, opt.param_groups, hypers):
             opt.state[p] = {}  # as made, of another layout: made afresh by the next line
         # May allocate (and fail) before anything is written.
         self._states.ensure(opt.state, opt.param_groups, hypers, opt._placement)
         for group, new in zip(opt.param_groups, new_groups, strict=True):
             group.clear()
             group.update(new)
-        copy_state(opt, loaded)
+        copy_state(self._states, opt.state, opt.param_groups, loaded)
         for key in [k for k in opt.state if not isinstance(k, Tensor)]:
             del opt.state[key]  # as torch's load: the loaded dict's own entries replace them
         opt.state.update(carried(saved_state, saved_groups))
@@ -333,7 +335,7 @@ def restore_copy(opt, state: dict, torch_setstate: Callable[[dict], None]) -> No
         graphing = opt._graphing
         graphing.blocker = graphing.blocker or capture_rules.group_blocker(group, None)
     opt.state = defaultdict(dict)
-    formats = partial(loadable_formats, opt)
+    formats = partial(loadable_formats, opt._states)
     hypers = [opt._read_hyper(g, i) for i, g in enumerate(opt.param_groups)]
     algorithms = [opt.algorithms[h.algorithm] for h in hypers]
     loaded = {
@@ -347,7 +349,7 @@ def restore_copy(opt, state: dict, torch_setstate: Callable[[dict], None]) -> No
     # Every parameter's, as at construction.
     opt._states.ensure(opt.state, opt.param_groups, hypers, opt._placement)
     if loaded:
-        copy_state(opt, loaded)
+        copy_state(opt._states, opt.state, opt.param_groups, loaded)
         opt._store.pristine.clear()
     opt.state.update({k: v for k, v in values.items() if not isinstance(k, Tensor)})
     for p, count in counts.items():
