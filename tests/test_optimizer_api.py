@@ -232,6 +232,29 @@ def test_bad_budgets_change_nothing():
     assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1024, 8192)
 
 
+DELEGATED = ("host_state_bytes", "host_buffers", "staging_bytes", "timeline", "reconfigure")
+DELEGATED += ("prefetch", "graph_stats")
+
+
+def test_methods_of_the_optimizers_parts_are_its_own():
+    """The public members that live on a part of the optimizer (``Delegated``) keep their
+    documentation on the class, come bound to this optimizer's part, and a read-only one
+    refuses assignment as a property does."""
+    params = _model()
+    opt, other = Muon(_groups(params), lr=0.02), Muon(_groups(params), lr=0.02)
+    for name in DELEGATED:
+        doc = getattr(Muon, name).__doc__  # its own, not its kind's (function, property, ...)
+        assert doc and doc != type(getattr(Muon, name)).__doc__, name
+        member = getattr(opt, name)
+        if callable(member):
+            assert member.__self__ is not getattr(other, name).__self__, name
+    assert opt.graph_stats()["eager_steps"] == 0 and opt.host_buffers() == []
+    for name in ("host_state_bytes", "staging_bytes"):
+        with pytest.raises(AttributeError):
+            setattr(opt, name, 1)
+    assert opt.host_state_bytes == 0 and opt.staging_bytes == 0
+
+
 @pytest.mark.parametrize("cls", [Muon, AdamW])
 def test_settings_in_signature_and_docstring(cls):
     """The engine's settings are the public constructors' keyword arguments, with the defaults
