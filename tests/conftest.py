@@ -14,6 +14,10 @@ def _has_cuda_gpu() -> bool:
 if not _has_cuda_gpu():
     # muon_offload.kernels then fixes triton 3.6's interpreter under new numpy (_interpreter.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The interpreter's per-call walk for the builtins to wrap, done once (_interpreter_speed.py).
+    from _interpreter_speed import cache_builtin_names
+
+    cache_builtin_names()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
