@@ -11,6 +11,11 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from muon_offload import Muon
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # as in the tests' own process (conftest.py)
+    from _interpreter_speed import cache_builtin_names
+
+    cache_builtin_names()
+
 # Even and uneven dim 0 for 2 and 3 ranks (24: even; 22: 11+11, 8+8+6; 40: 20+20, 14+14+12;
 # 2: 1+1, 1+1+0, an empty shard), wide and tall, and a stack sharded along its batch dim.
 SHARDED = [(24, 40), (24, 40), (24, 40), (22, 40), (22, 40), (40, 14), (40, 14), (2, 32)]
