@@ -291,9 +291,12 @@ def against_dion(rank, world, port):
     ref = dion.Muon(
         groups, distributed_mesh=mesh, lr=0.02, newton_schulz_func=orthogonalize64_batch
     )
-    for s in range(3):
-        set_grads(params, s, mesh)
-        ref.step()
+    # dion's update functions run eagerly: torch.compile would compile them afresh in every
+    # process (about 7 s of each run here) for the same arithmetic.
+    with torch.compiler.set_stance("force_eager"):
+        for s in range(3):
+            set_grads(params, s, mesh)
+            ref.step()
     start = full_tensors(0, SHARDED + BATCH_SHARDED + REPLICATED + ADAMW + LION)
     for a, b, x0 in zip(ours[0], params, start, strict=True):
         fa = a.full_tensor() if isinstance(a, DTensor) else a.detach()
