@@ -33,24 +33,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from host_time import OpCounter
 from muon_offload.kernels import tuning
 from muon_offload.kernels.config import Config
-from torch.utils._python_dispatch import TorchDispatchMode
 from training_loop import MODELS, OURS, config
 from transformers_step import MUON_LR, bench_groups, build_model
 from tuning_keys import TABLE, as_streamed
 
 from muon_offload import Muon
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

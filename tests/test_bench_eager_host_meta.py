@@ -2,25 +2,12 @@
 training_loop.py's MoE model on meta tensors, its Triton launches counted (none run) and its
 host time estimated."""
 
-import os
-import sys
-from pathlib import Path
-
 import pytest
+from _bench_import import import_bench
 
 pytest.importorskip("transformers", reason='needs transformers: pip install -e ".[hf]"')
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-# The bench scripts set TORCHDYNAMO_DISABLE at import, for their own runs: this process keeps
-# its own setting (as tests/test_bench_tuning_keys.py does).
-_DYNAMO_ENV = os.environ.get("TORCHDYNAMO_DISABLE")
-import eager_host_meta  # noqa: E402
-
-if _DYNAMO_ENV is None:
-    os.environ.pop("TORCHDYNAMO_DISABLE", None)
-else:
-    os.environ["TORCHDYNAMO_DISABLE"] = _DYNAMO_ENV
+(eager_host_meta,) = import_bench("eager_host_meta")
 
 
 @pytest.fixture(scope="module")

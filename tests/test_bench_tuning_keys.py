@@ -5,30 +5,20 @@ table decides a key."""
 
 import json
 import os
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _bench_import import import_bench
 
 pytest.importorskip("transformers", reason='needs transformers: pip install -e ".[hf]"')
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-# The bench scripts set TORCHDYNAMO_DISABLE at import, for their own runs; this process keeps
-# its own setting (torch._dynamo reads it when first imported: torch.compile elsewhere in the
-# worker would return the module itself, and dion would run uncompiled).
-_DYNAMO_ENV = os.environ.get("TORCHDYNAMO_DISABLE")
-import tuning_keys  # noqa: E402
 from muon_offload.kernels import _launch, muon, quantized_muon, tuning  # noqa: E402
-from training_loop import OURS, config  # noqa: E402
-from transformers_step import build_model  # noqa: E402
 
-if _DYNAMO_ENV is None:
-    os.environ.pop("TORCHDYNAMO_DISABLE", None)
-else:
-    os.environ["TORCHDYNAMO_DISABLE"] = _DYNAMO_ENV
+tuning_keys, training_loop, transformers_step = import_bench(
+    "tuning_keys", "training_loop", "transformers_step"
+)
+OURS, config, build_model = training_loop.OURS, training_loop.config, transformers_step.build_model
 
 
 def _model(kind: str, device: str):
