@@ -211,6 +211,7 @@ def muon_prep8(
         )
 
     # Every candidate inside compiling_ahead (``Tuner.choices``): the caller's alignment.
+    partial = None  # shaped by the config: one partial sum a program
     for config in TUNER.choices(
         "muon_prep8", key, PREP_CONFIGS, PREP_INTERPRETER_CONFIG, device, bench
     ):
@@ -218,6 +219,8 @@ def muon_prep8(
         _prep8_launch(
             m_codes, m_scales, grads, grad_index, mu, bool(nesterov), out, partial, config
         )
+    if partial is None:  # the first block of ``compile_then_tune``: no config chosen yet
+        return out, sumsq  # (its second launches the winner, then the row sum)
     # Adds only: no contraction to choose, named so that no Triton default applies.
     _row_sum_kernel[(batch,)](
         partial, sumsq, partial.shape[1], BLOCK=SUM_BLOCK, enable_fp_fusion=False
