@@ -77,6 +77,32 @@ def test_split_replays_with_prefetch_equal_the_eager_step_bitwise(monkeypatch, s
     assert isinstance(opt._graphing.graphs.held, SplitStep)
 
 
+@pytest.mark.parametrize("asked", [False, True], ids=["no-prefetch", "prefetch"])
+def test_a_step_nobody_prefetches_is_captured_whole(monkeypatch, asked):
+    """Gradients set by hand, no backward (the hooks never fire) and no prefetch(): nothing
+    runs beside the step's first loads and last stores, and one graph keeps the pipeline's
+    overlap at both ends (its first update waits for one load, not for all of a head's; its
+    last stores overlap the last updates), so the step is captured whole. With prefetch()
+    before each step it is split. Either way bitwise the eager twin's."""
+    made: list[RecordingGraph] = []
+    pair = _pair(monkeypatch, made, SHAPES, chunk_bytes=3000)
+    (opt, params), (twin, twin_params) = pair
+    for s in range(4):
+        for o, ps in pair:
+            gen = torch.Generator().manual_seed(100 + s)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if asked:
+                o.prefetch()
+            o.step()
+            o.zero_grad()
+        _assert_twins(params, opt, twin_params, twin, s)
+    stats = opt.graph_stats()
+    assert (stats["captures"], stats["replays"], stats["off"]) == (1, 2, None)
+    assert isinstance(opt._graphing.graphs.held, SplitStep) == asked
+    assert len(made) == (3 if asked else 1)
+
+
 class _StandInGraph:
     """A graph on test_scheduler's stand-in streams: ``capture`` runs the body as a capture
     (each wait names an event recorded in it); ``replay`` queues one node on the current

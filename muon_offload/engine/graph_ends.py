@@ -34,6 +34,11 @@ plain events recorded and waited on outside any capture:
   not wait for it. Its end is what the next head, an eager step's loads (``prefetch.take``),
   and every host reader (``finish``: the d2h stream) wait for, as ``ahead.stores``.
 
+Only a step whose first loads were asked for ahead (``prefetch()``, the backward hook: the
+scheduler's ``ahead.asked``) is split (graph_runner.py): without anything beside its ends, one
+graph of the step overlaps them with its own updates, which the split cannot (the main graph
+waits for all of the head's loads; the tail starts after the main graph's end).
+
 Nothing more is staged: the head and tail read and write the arena's bytes of the main graph.
 Without CUDA the three replay in order (the CPU tests' stand-in graphs).
 """

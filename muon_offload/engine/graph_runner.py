@@ -70,7 +70,10 @@ class GraphRunner:
                 self._settings.now.backend,
                 grads and grads.key(),
             )
-        ends = (sched, transfers, side) if streamed else None  # head and tail: graph_ends.py
+        # Head and tail graphs (graph_ends.py) where something runs beside the step's ends:
+        # its first loads were asked for ahead (prefetch(), the backward hook).
+        split = streamed and sched.ahead.asked
+        ends = (sched, transfers, side) if split else None
         self.graphs.step(key, why, layouts, body, ends)
 
     def graphed(self, device: torch.device, closure: bool) -> bool:

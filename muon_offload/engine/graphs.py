@@ -31,9 +31,11 @@ raises ``CaptureMiss`` (kernels/_launch.py) and graphs are turned off, eagerly. 
 that are not contiguous), the optimizer stays eager (logged once: a warning with ``True``,
 INFO with ``"auto"``).
 
-A step that streams state is captured as three graphs, so that its first loads run under
-backward (``prefetch()``) and its last stores under the next forward (``graph_ends.py``): one
-key, captured, replayed and dropped together.
+A step that streams state, and whose first loads were asked for ahead (``prefetch()``, the
+backward hook), is captured as three graphs, so that its first loads run under backward and
+its last stores under the next forward (``graph_ends.py``): one key, captured, replayed and
+dropped together. A step nobody prefetched is captured whole (one graph overlaps its ends with
+its own updates).
 
 Meshes: NCCL collectives are captured as graph nodes. Each rank decides alone when to capture
 (its key may change at another step than another rank's), and the collectives stay paired:

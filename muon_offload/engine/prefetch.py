@@ -24,7 +24,7 @@ beside them, the first loads and the last stores, so:
   optimizer's ``Streams.synchronize``: ``state_dict``, copies and saves, ``load_state_dict``,
   state dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
   every stream into the capturing one, as CUDA requires, and takes no load ``issue`` queued.
-- With graphs in use, a step that streams state is captured as three graphs
+- With graphs in use, a step that streams state, prefetched, is captured as three graphs
   (``graph_ends.py``): a head graph of the loads ``issue`` would queue, which ``prefetch()``
   replays on the h2d stream while the graph is held (``Split``: the main graph's capture takes
   those loads and leaves the tail's stores out, ``defer``), and a tail graph of the last
@@ -56,6 +56,10 @@ class Ahead:
         self.stores: dict = {}  # store stream -> event recorded at the end of the last run
         self.open = False  # the last run left its stores running (no error, no capture)
         self.leave = True  # whether the next run may leave them running (no graph in use)
+        # Whether prefetch() was asked for (the backward hook's call or the user's) since the
+        # last run started: a graph captured now is split (graph_ends.py); without it nothing
+        # runs beside the step's ends, and the step is captured whole.
+        self.asked = False
         self.split = None  # while a step's main graph is captured apart from its head and
         # tail graphs (graph_ends.py): the ``Split`` the run reads
         self.headed = None  # the head graph (graph_ends.py) that loaded the arena last (its
@@ -115,7 +119,7 @@ def take(sched, transfers, side, capturing: bool) -> int:
     same = ahead.transfers is transfers and ahead.side is side and not capturing
     n = ahead.loads if same else 0
     ahead.transfers = ahead.side = ahead.headed = None
-    ahead.loads, ahead.open = 0, False
+    ahead.loads, ahead.open, ahead.asked = 0, False, False
     if ahead.split is not None:  # a main graph's capture: the head graph's loads; its
         return ahead.split.head  # replays count the runs (graph_ends.py)
     ahead.runs += 1
@@ -193,6 +197,8 @@ class Prefetcher:
         graph_ends.py), and while 8-bit scales handed out by ``state_dict()`` may still be
         written into (they are copied in at the next step)."""
         sched, last = self._streams.scheduler, self._plans.last
+        if sched is not None:
+            sched.ahead.asked = True
         if sched is None or last is None or not self._store.streamed or self._handed_scales.held:
             return False
         _, transfers, _, side, _ = last[1]
