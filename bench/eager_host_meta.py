@@ -36,7 +36,7 @@ import torch
 from host_time import OpCounter
 from muon_offload.kernels import tuning
 from muon_offload.kernels.config import Config
-from training_loop import MODELS, OURS, config
+from training_loop import MODELS, OPTIONAL, OURS, config
 from transformers_step import MUON_LR, bench_groups, build_model
 from tuning_keys import TABLE, as_streamed
 
@@ -165,7 +165,9 @@ def estimate(row: dict, launch_us: float, op_us: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser("eager_host_meta.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--modes", nargs="+", choices=list(OURS), default=list(OURS))
+    ap.add_argument(
+        "--modes", nargs="+", choices=list(OURS), default=[m for m in OURS if m not in OPTIONAL]
+    )
     ap.add_argument("--layers", type=int, default=None, help="default: the model's")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--launch-us", type=float, default=20.0, help="host us a Triton launch")

@@ -184,6 +184,62 @@ def test_a_failing_pass_is_a_warning_once_and_changes_no_result(
     assert _bitwise(_results(opt, params), _results(plain_opt, plain_params))
 
 
+class _LeavesEveryKey:
+    """A tuner with no decision cached, as on a GPU without a table: inside the first block of
+    ``compile_then_tune`` each launcher's ``choices`` gives no config (the key is left to time
+    after the block, ``AHEAD.pending``), after it the one the timing picked (here the
+    interpreter's)."""
+
+    def __init__(self) -> None:
+        self.left: set = set()
+
+    def choose(self, kernel, key, configs, interpreter_config, device, bench, force=False):
+        return interpreter_config
+
+    def choices(self, kernel, key, configs, interpreter_config, device, bench):
+        pending = getattr(_launch.AHEAD, "pending", None)
+        if pending is not None and (kernel, key) not in self.left:
+            self.left.add((kernel, key))
+            pending.append((kernel, key, tuple(configs), interpreter_config, device, bench))
+            return ()
+        return (interpreter_config,)
+
+
+@pytest.mark.parametrize("kw", KWARGS, ids=["resident", "int8", "offload"])
+def test_every_launcher_runs_in_a_first_block_that_chose_no_config(
+    as_on_a_gpu, monkeypatch, caplog, kw
+):
+    """Every tuned launcher these steps reach (Muon's prep, dense and 8-bit, and apply; AdamW:
+    the products of matrices this small take their one smallest tile untimed, and
+    test_precompile's launcher tests cover theirs) launches nothing for a key left to time,
+    and what follows its launches must not need them (found on the H200: the 8-bit prep's row
+    sum read a partial sum made only by a launch). The pass then ends without a warning, and
+    the step's results are those of a step without it."""
+    from muon_offload.kernels import (
+        elementwise,
+        gram,
+        muon,
+        normalize,
+        poly_apply,
+        quantized_elementwise,
+        quantized_muon,
+    )
+
+    plain_params, plain_opt, _ = _step(**kw)
+    monkeypatch.setattr(first_compile, "_SEEN", set())
+    tuner = _LeavesEveryKey()
+    for module in (elementwise, gram, muon, normalize, poly_apply, quantized_elementwise):
+        monkeypatch.setattr(module, "TUNER", tuner)
+    monkeypatch.setattr(quantized_muon, "TUNER", tuner)
+    with caplog.at_level(logging.WARNING, logger="muon_offload"):
+        params, opt, calls = _step(**kw)
+    assert not [r for r in caplog.records if "compiling the step's new kernels" in r.message]
+    assert any(inside for inside, *_ in calls) and tuner.left
+    if kw.get("state_dtype") is torch.int8:
+        assert any(kernel == "muon_prep8" for kernel, _ in tuner.left)
+    assert _bitwise(_results(opt, params), _results(plain_opt, plain_params))
+
+
 def test_the_pass_leaves_the_random_state_as_it_was(as_on_a_gpu, monkeypatch):
     original = first_compile._run
 
