@@ -289,26 +289,39 @@ def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
 def check_segments(params, grads, states) -> list[int]:
     """The segments' element counts, after checking them. ``states``: (name, codes, scales,
     map kind) per state. params, grads and each codes list: same element counts, contiguous,
-    one device; codes in the map's dtype; each scales list: fp32, one entry a block."""
+    one device; codes in the map's dtype; each scales list: fp32, one entry a block. One pass
+    of cheap attribute reads a list (devices by index, as ``_tables.check_lists``): this runs
+    for every unit of every step."""
     numels = [t.numel() for t in params]
-    device = params[0].device if params else None
+    where = params[0].get_device() if params else None
     lists = [("params", params), ("grads", grads)]
-    lists += [(name, codes) for name, codes, _, _ in states]
+    lists += [(name, codes) for name, codes, _, _ in states if codes is not params]
     for name, tensors in lists:
         if len(tensors) != len(numels) or [t.numel() for t in tensors] != numels:
             raise ValueError(f"{name}: segment count or element counts differ from params'")
-        for t in tensors:
-            if not t.is_contiguous() or t.device != device:
-                raise ValueError(f"{name}: every tensor must be contiguous and on {device}")
+        if not all(t.is_contiguous() and t.get_device() == where for t in tensors):
+            raise ValueError(f"{name}: every tensor must be contiguous and on {params[0].device}")
     for name, codes, scales, kind in states:
-        for i, (c, s) in enumerate(zip(codes, scales, strict=True)):
-            if c.dtype != CODE_DTYPES[kind]:
-                raise ValueError(f"{name}[{i}] is {c.dtype}, expected {CODE_DTYPES[kind]}")
+        dtype = CODE_DTYPES[kind]
+        if len(scales) != len(codes):
+            raise ValueError(f"{name}: {len(scales)} scales lists for {len(codes)} codes")
+        if all(
+            c.dtype == dtype
+            and s.dtype == torch.float32
+            and s.numel() == -(-n // QBLOCK)
+            and s.is_contiguous()
+            and s.get_device() == where
+            for c, s, n in zip(codes, scales, numels, strict=True)
+        ):
+            continue
+        for i, (c, s) in enumerate(zip(codes, scales, strict=True)):  # the first that fails
+            if c.dtype != dtype:
+                raise ValueError(f"{name}[{i}] is {c.dtype}, expected {dtype}")
             if s.dtype != torch.float32 or s.numel() != -(-c.numel() // QBLOCK):
                 raise ValueError(
                     f"{name} scales[{i}]: {s.numel()} {s.dtype}, expected "
                     f"{-(-c.numel() // QBLOCK)} float32 (one a block of {QBLOCK})"
                 )
-            if not s.is_contiguous() or s.device != device:
-                raise ValueError(f"{name} scales[{i}] must be contiguous and on {device}")
+            if not s.is_contiguous() or s.get_device() != where:
+                raise ValueError(f"{name} scales[{i}] must be contiguous and on {params[0].device}")
     return numels

@@ -351,3 +351,54 @@ def test_interpreter_config_covers_tail_and_several_tiles():
     assert ew8.INTERPRETER_CONFIG.chunk % ew8.INTERPRETER_CONFIG.block == 0
     assert ew8.INTERPRETER_CONFIG.block % quant_maps.QBLOCK == 0
     assert all(c.block % quant_maps.QBLOCK == 0 and c.chunk % c.block == 0 for c in ew8.CONFIGS)
+
+
+def _segments(n=2, numel=700):
+    params = [torch.randn(numel) for _ in range(n)]
+    grads = [torch.randn(numel) for _ in range(n)]
+    blocks = -(-numel // quant_maps.QBLOCK)
+    m = ([torch.zeros(numel, dtype=torch.int8) for _ in range(n)], [torch.ones(blocks)] * n)
+    v = ([torch.zeros(numel, dtype=torch.uint8) for _ in range(n)], [torch.ones(blocks)] * n)
+    return params, grads, m, v
+
+
+def _break(what: str, params, grads, m, v) -> str:
+    """Spoil one segment list as ``what`` says; the message the check must give."""
+    if what == "count":
+        grads.pop()
+        return "grads: segment count"
+    if what == "numel":
+        grads[1] = torch.randn(699)
+        return "grads: segment count or element counts"
+    if what == "strided":
+        m[0][1] = torch.zeros(1400, dtype=torch.int8)[::2]
+        return "m_codes: every tensor must be contiguous"
+    if what == "code dtype":
+        v[0][0] = torch.zeros(700, dtype=torch.int8)
+        return r"v_codes\[0\] is torch.int8, expected torch.uint8"
+    if what == "scale count":
+        m[1][1] = torch.ones(2)
+        return r"m_codes scales\[1\]: 2 torch.float32, expected 3 float32"
+    if what == "scale dtype":
+        v[1][0] = torch.ones(3, dtype=torch.float64)
+        return r"v_codes scales\[0\]: 3 torch.float64"
+    if what == "scales list":
+        m[1].pop()
+        return "m_codes: 1 scales lists for 2 codes"
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["count", "numel", "strided", "code dtype", "scale count", "scale dtype", "scales list"],
+)
+def test_bad_segments_raise_before_any_state_is_written(what):
+    params, grads, m, v = _segments()
+    message = _break(what, params, grads, m, v)
+    m, v = (list(m[0]), list(m[1])), (list(v[0]), list(v[1]))
+    before = [t.clone() for t in (*params, *m[0], *m[1], *v[0], *v[1])]
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+    with pytest.raises(ValueError, match=message):
+        ew8.adamw8_(params, grads, *m, *v, **hyper)
+    after = [*params, *m[0], *m[1], *v[0], *v[1]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
