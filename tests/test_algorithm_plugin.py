@@ -24,8 +24,10 @@ not cut between its matrices either (the formats' views of a stack's matrices as
 shaped like the parameter). Dense state only: block-scaled formats lay their blocks out over
 tensors of the parameter's shape (a key of another shape would be one run of blocks, untried
 here), and an element-wise algorithm's state must be shaped like its parameter (segments).
-DTensor parameters are untried (state of another shape stays a local tensor). No Triton kernel,
-so no CUDA graph (``cuda_graph=True`` refuses launches that read no step tables).
+A DTensor sharded across ranks is refused at construction (``Algorithm.placement``'s default
+for a whole-parameter rule, which has no collectives); a replicated one is updated where it
+is. No Triton kernel, so no CUDA graph (``cuda_graph=True`` refuses launches that read no step
+tables).
 """
 
 from __future__ import annotations
@@ -255,3 +257,27 @@ def test_state_dict_round_trip():
     with pytest.raises(ValueError, match="exp_avg_sq_row"):
         again.load_state_dict(bad)
     assert same_state(before, state_copy(again, again_params))
+
+
+def _sharded_refused(rank, world, port):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import dist_workers
+
+    mesh = dist_workers.init(rank, world, port)
+    full = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    sharded = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+    with pytest.raises(NotImplementedError, match="no rule for a DTensor sharded across ranks"):
+        Adafactor([sharded], distributed_mesh=mesh, **HYPER)
+    replicated = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Replicate()]))
+    Adafactor([replicated], distributed_mesh=mesh, **HYPER)
+    dist_workers._finish()
+
+
+@pytest.mark.distributed
+def test_a_whole_parameter_plugin_refuses_a_sharded_dtensor():
+    """Without a rule for shards (Muon has its collectives), row and column means of a shard
+    would be a shard's: refused before any state exists, naming the parameter."""
+    import _processes
+
+    _processes.run(_sharded_refused, 2)

@@ -28,7 +28,6 @@ from ..distributed import (
     Placement,
     StepAgreements,
     check_ranks_agree,
-    placement_of,
     resolve_mesh,
 )
 from . import capture_rules, first_compile
@@ -53,8 +52,6 @@ from .step_work import StepWork, step_work
 from .streams import Streams
 
 log = logging.getLogger(__name__)
-
-LOCAL_PLACEMENT = Placement("local")  # element-wise parameters: no communication
 
 
 class ChunkedOptimizer(Optimizer):
@@ -205,10 +202,8 @@ class ChunkedOptimizer(Optimizer):
         return group_pairs(self.param_groups)
 
     def _placement(self, gi: int, param: Tensor, hyper: Hyper) -> Placement:
-        if self.algorithms[hyper.algorithm].elementwise:
-            return LOCAL_PLACEMENT
         where = f"param group {gi} (parameter of shape {tuple(param.shape)})"
-        return placement_of(param, self._mesh_of(gi), hyper.flatten, where, hyper.num_heads)
+        return self.algorithms[hyper.algorithm].placement(param, self._mesh_of(gi), hyper, where)
 
     def _plan(self, work: StepWork, hypers: Sequence[Hyper], classes=None):
         """This step's plan, transfers, layouts and side chunks (``StepPlanner.plan``)."""

@@ -71,6 +71,11 @@ class MuonUpdate(Algorithm):
         the whole) and for a ``flatten`` group's."""
         return matrix_count(shape, hyper.flatten)
 
+    def placement(self, param, mesh, hyper: Hyper, where: str):
+        """Local, replicated (spread over the mesh's ranks) or sharded (all-to-all):
+        ``distributed.placement_of``, which refuses what the collectives cannot serve."""
+        return placement_of(param, mesh, hyper.flatten, where, hyper.num_heads)
+
     def budget_bytes(self, state_bytes: int, numel: int, mesh_size: int) -> int:
         """State narrower than fp32 counts as fp32: a Muon chunk's work on the GPU (the bf16
         update, the Gram products) grows with its matrices, not with the state's width. Counted
