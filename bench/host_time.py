@@ -8,7 +8,7 @@ step's Python: checking groups, planning, building each unit's job, and one torc
 launch. This script measures that work on the CPU with ``backend="torch"``, on tensors small
 enough that the torch calls themselves are cheap:
 
-- ``demo``: the demo's TinyGPT (``muon_offload.tools.demo``), resident and offloaded (the
+- ``demo``: the demo's TinyGPT (``muon_offload.tools.demo_model``), resident and offloaded (the
   demo's 256 KiB chunks, and the default chunk size);
 - ``qwen3``: ``qwen3-30b-a3b-ep8-rank`` with every dimension divided by ``--scale`` and the
   chunk budgets divided by its square, so the tensor, unit and chunk counts are the real
@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from muon_offload import Muon  # noqa: E402
 from muon_offload.engine import settings  # noqa: E402
-from muon_offload.tools import demo  # noqa: E402
+from muon_offload.tools import demo_model as demo  # noqa: E402
 from muon_offload.tools.bench.modes import build  # noqa: E402
 from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank  # noqa: E402
 

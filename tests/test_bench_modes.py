@@ -15,8 +15,8 @@ import torch
 from muon_offload.engine.host_slabs import ALIGN_BYTES
 from muon_offload.engine.state_format import StatePolicy
 from muon_offload.tools import cli
-from muon_offload.tools.bench.command import add_floors
 from muon_offload.tools.bench.modes import TORCH_ADAMW, accumulate_grads, build, run_modes
+from muon_offload.tools.bench.runner import add_floors
 from muon_offload.tools.bench.timing import GIB, Clock
 from muon_offload.tools.workloads import ADAMW_ONLY, ParamSpec, workload
 

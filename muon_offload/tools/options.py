@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported by the checks that use it: --help answers without torch
+    import torch
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -27,6 +29,8 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 def torch_device(text: str) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N``, as an argparse type (a bad name is a usage error)."""
+    import torch
+
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError):
@@ -40,6 +44,8 @@ def check_device(ap: argparse.ArgumentParser, device: torch.device) -> None:
     """A CUDA device that this machine has, or a usage error."""
     if device.type != "cuda":
         return
+    import torch
+
     if not torch.cuda.is_available():
         ap.error(f"--device {device}, but no CUDA GPU is available")
     if device.index is not None and device.index >= torch.cuda.device_count():

@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import options
 from .workloads import MAX_LAYERS, WORKLOADS, workload
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-STATE_DTYPES = {**DTYPES, "int8": torch.int8}
+if TYPE_CHECKING:  # imported by the run: --help and usage errors answer without torch
+    import torch
+
+DTYPES = ("bf16", "fp32")  # by torch's names, ``_dtype``
+STATE_DTYPES = (*DTYPES, "int8")
 DESCRIPTION = "Tune the kernels for the shapes of a workload on this GPU."
 
 
@@ -62,9 +64,17 @@ def _parse(argv: list[str] | None):
     return args
 
 
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8}[name]
+
+
 def tune_kernels(args, device: torch.device) -> list[dict]:
     """Runs each kernel the workload's step launches once, on scratch tensors of its shapes,
     timing every candidate config (unless ``args.cached``); one row a kernel and shape."""
+    import torch
+
     from muon_offload.engine.state_format import MIN_QUANTIZED_NUMEL
     from muon_offload.kernels import tuning
     from muon_offload.kernels.elementwise import adamw_
@@ -73,10 +83,10 @@ def tune_kernels(args, device: torch.device) -> list[dict]:
     from muon_offload.kernels.quantized_elementwise import adamw8_
     from muon_offload.kernels.quantized_muon import muon_prep8
 
-    p_dt, g_dt = DTYPES[args.param_dtype], DTYPES[args.grad_dtype]
+    p_dt, g_dt = _dtype(args.param_dtype), _dtype(args.grad_dtype)
     eight_bit = args.state_dtype == "int8"
     # With 8-bit state, tensors under MIN_QUANTIZED_NUMEL elements keep fp32 state.
-    s_dt = torch.float32 if eight_bit else DTYPES[args.state_dtype]
+    s_dt = torch.float32 if eight_bit else _dtype(args.state_dtype)
     sz = {d: torch.empty((), dtype=d).element_size() for d in (p_dt, g_dt, s_dt)}
     specs = workload(args.workload, args.layers)
     rows = []
@@ -175,6 +185,8 @@ def tune_kernels(args, device: torch.device) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    import torch
+
     if not torch.cuda.is_available():
         print(
             "muon-offload tune: needs a CUDA GPU (tuning times kernels on the device)",

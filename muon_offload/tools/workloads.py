@@ -11,8 +11,10 @@ tensor on AdamW, for the peers that only run AdamW (torch's fused AdamW, torchao
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where parameters are made: the commands' --help skips it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -166,10 +168,14 @@ def materialize(
     specs: list[ParamSpec],
     device: torch.device | str = "cpu",
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     seed: int = 0,
 ) -> list[torch.nn.Parameter]:
-    """Parameters with random values and random (never zero) gradients of the same shapes."""
+    """Parameters with random values and random (never zero) gradients of the same shapes
+    (``dtype``: fp32 by default)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     params = []
     for spec in specs:

@@ -31,16 +31,8 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from .. import options
 from ..workloads import ADAMW_ONLY, DEFAULT_LAYERS, MAX_LAYERS, WORKLOADS, workload
-from . import machine
-from .dion_runner import dion_commit, find_dion, run_dion
-from .modes import MODE_NAMES, run_modes, torchao_missing
-from .progress import Progress
-from .report import add_ratios, table
-from .timing import GIB, STATE_DTYPES, Clock, bandwidths, floor_s
 
 DESCRIPTION = "The optimizer step on a named workload, every mode side by side."
 MEMORY_LAYERS = (12, 24, 48)
@@ -50,7 +42,7 @@ TINY_CHUNK_BYTES = 32 << 10
 TINY_CHUNK_MIB = (1 / 32, 1 / 16, 1 / 8)
 TINY_MEMORY_LAYERS = (2, 4, 8)  # seconds on a CPU, for CI
 CHUNK_MIB = (32, 64, 128, 512)
-NO_GPU = "no CUDA GPU: nothing crosses PCIe, and peak GPU memory is not measured"
+GIB = 1 << 30
 
 
 def _size(text: str) -> float:
@@ -61,7 +53,6 @@ def _size(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    cuda = torch.cuda.is_available()
     ap = options.parser("muon-offload bench", DESCRIPTION)
     ap.add_argument(
         "--workload",
@@ -99,9 +90,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=7, help="timed steps per mode")
     ap.add_argument(
         "--device",
-        default="cuda" if cuda else "cpu",
+        default=None,
         choices=("cuda", "cpu"),
-        help="where parameters and gradients live",
+        help="where parameters and gradients live (default: cuda where there is a CUDA GPU, "
+        "else cpu)",
     )
     ap.add_argument(
         "--threads",
@@ -129,9 +121,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    cuda = torch.cuda.is_available()
     ap = parser()
     args = ap.parse_args(argv)
+    import torch  # after the arguments: --help answers without it
+
+    cuda = torch.cuda.is_available()
+    if args.device is None:
+        args.device = "cuda" if cuda else "cpu"
     if args.workload is None:
         args.workload = "qwen3-30b-a3b-ep8-rank" if cuda else "tiny"
     if args.device == "cuda" and not cuda:
@@ -175,6 +171,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.chunk_mib = list(TINY_CHUNK_MIB if tiny else CHUNK_MIB)
     args.dion_root, args.dion_note = None, "left out (--no-dion)"
     if not args.no_dion:
+        from .dion_runner import find_dion
+
         try:
             args.dion_root, args.dion_note = find_dion(args.dion_path)
         except FileNotFoundError as e:
@@ -185,6 +183,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def torchao_check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A usage error unless torchao's CPUOffloadOptimizer can run here: an AdamW-only workload,
     a CUDA GPU (it streams through one and asserts otherwise), and torchao installed."""
+    import torch
+
+    from .modes import torchao_missing
+
     flag = "--torchao-offload"
     if args.workload not in ADAMW_ONLY:
         ap.error(
@@ -218,38 +220,6 @@ def cpu_warning(args) -> str | None:
     )
 
 
-def environment(args) -> dict:
-    device = torch.device(args.device)
-    return {
-        "card": machine.card(device),
-        "device": args.device,
-        "driver": machine.driver_version(),
-        **machine.versions(),
-        "cpu_threads": torch.get_num_threads(),
-        "dion_commit": dion_commit(args.dion_root) if args.dion_root else None,
-        "date": machine.now(),
-        "args": dict(vars(args)),
-    }
-
-
-def add_floors(modes: dict, bandwidth: dict | None) -> None:
-    """Each offloaded mode's transfer floor, from the bytes it reports streaming each way."""
-    for m in modes.values():
-        if "streamed_bytes" in m:
-            m["floor_s"] = floor_s(m["streamed_bytes"], bandwidth)
-
-
-def ratios(results: dict) -> None:
-    """Each mode's median over its transfer floor and over dion's resident median."""
-    floors = {"dion_all_at_once": results["floor"]["fp32"]["floor_s"]}
-    floors.update({k: results[k].get("floor_s") for k in MODE_NAMES if k in results})
-    dion = results.get("dion_resident", {})
-    modes = [(k, results[k]) for k in MODE_NAMES if "median_s" in results.get(k, {})]
-    if "median_s" in dion.get("all_at_once", {}):
-        modes.append(("dion_all_at_once", dion["all_at_once"]))
-    add_ratios(modes, floors, dion)
-
-
 def out_paths(out: str) -> tuple[Path, Path, Path]:
     path = Path(out)
     if path.suffix == ".json":
@@ -264,84 +234,11 @@ def out_paths(out: str) -> tuple[Path, Path, Path]:
 
 
 def run(args) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    clock = Clock(device)
-    use_dion = args.dion_root is not None
-    others = [n for n in args.memory_layers if n != args.layers]
-    stages = 8 + 2 * len(args.chunk_mib) + 5 * len(others) + use_dion + (device.type == "cuda")
-    stages += args.torchao_offload
-    progress = Progress(stages)
-    results: dict = {"info": environment(args)}
-    if clock.cuda:
-        progress("bandwidths")
-        results["bandwidth_gbps"] = bandwidths()
-        clock.free()
-    else:
-        results["bandwidth_gbps"] = None
-        results["bandwidth_note"] = NO_GPU
+    """The bench itself (runner.py: torch and the modes are imported only for a run, so that
+    ``--help`` and usage errors answer at once)."""
+    from .runner import run as run_bench
 
-    def stage(layers):
-        return lambda name: progress(f"{args.workload} {layers} layers: {name}")
-
-    specs = workload(args.workload, args.layers)
-    main = run_modes(
-        specs, args, clock, stage(args.layers), warmup=args.warmup, steps=args.steps, full=True
-    )
-    state = main.pop("state_gib") * GIB
-    bw = results["bandwidth_gbps"]
-    results["floor"] = {
-        name: {"state_gib": state * k / GIB, "floor_s": floor_s(state * k, bw)}
-        for name, k in STATE_DTYPES
-    }
-    # 8-bit state's bytes depend on the format (codes, block scales, small tensors dense): the
-    # host bytes the optimizer reports.
-    int8 = main["ours_offload_int8"]["streamed_bytes"]
-    results["floor"]["int8"] = {"state_gib": int8 / GIB, "floor_s": floor_s(int8, bw)}
-    if not bw:
-        results["floor_note"] = NO_GPU
-    results.update(main)
-    add_floors({k: main[k] for k in MODE_NAMES if k in main}, bw)
-
-    memory = {}
-    for layers in args.memory_layers:
-        if layers == args.layers:
-            modes = {k: main[k] for k in MODE_NAMES if k in main}
-            memory[layers] = {"state_gib": state / GIB, "modes": modes}
-        else:
-            r = run_modes(
-                workload(args.workload, layers),
-                args,
-                clock,
-                stage(layers),
-                warmup=2,
-                steps=3,
-                full=False,
-            )
-            memory[layers] = {"state_gib": r.pop("state_gib"), "modes": r}
-        add_floors(memory[layers]["modes"], bw)
-        # The offloaded fp32 figures at the top level, where earlier runs kept them.
-        memory[layers].update(memory[layers]["modes"]["ours_offload_fp32"])
-    results["memory_by_layers"] = memory
-
-    if use_dion and not args.offload_only:
-        progress("dion (eager, subprocess)")
-        runs = [dict(layers=args.layers, warmup=args.warmup, steps=args.steps)]
-        runs += [dict(layers=n, warmup=2, steps=3) for n in others]
-        dion = run_dion(args, args.dion_root, runs)
-        results["dion_resident"] = dict(dion[0], commit=results["info"]["dion_commit"])
-        for n, r in zip(others, dion[1:], strict=True):
-            memory[n]["modes"]["dion_resident"] = r
-        if args.layers in memory:
-            memory[args.layers]["modes"]["dion_resident"] = results["dion_resident"]
-    else:
-        note = "left out (--offload-only)" if use_dion else args.dion_note
-        results["dion_resident"] = {"skipped": note}
-    ratios(results)
-    progress("figures")
-    progress.close()
-    return results
+    return run_bench(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     results["figures"] = figures(results, timeline_png, state_png)
     with open(json_path, "w") as f:
         json.dump(results, f, indent=1)
+    from .report import table
+
     print(table(results))
     print(f"\nwrote {json_path}" + "".join(f", {p}" for p in results["figures"].get("files", [])))
     return 0
