@@ -16,6 +16,7 @@ from .collectives import (
     placement_of,
     resolve_mesh,
     run_tasks,
+    sharded_dims,
 )
 from .rank_agreement import StepAgreements
 
@@ -32,6 +33,7 @@ __all__ = [
     "orthogonalize_replicated",
     "orthogonalize_sharded",
     "placement_of",
+    "sharded_dims",
     "resolve_mesh",
     "run_tasks",
 ]

@@ -98,6 +98,13 @@ class Placement:
     global_size: int | None = None  # the unsharded size along comm_dim
 
 
+def sharded_dims(p) -> list[tuple[int, object]]:
+    """(mesh dim, placement) of each ``Shard`` of DTensor ``p`` over more than one rank."""
+    return [
+        (i, pl) for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1
+    ]
+
+
 def placement_of(
     p: Tensor, mesh: Mesh, flatten: bool, where: str, num_heads: int | None = None
 ) -> Placement:
@@ -109,9 +116,7 @@ def placement_of(
         return Placement("replicated" if mesh.group is not None else "local")
     if mesh.device_mesh is None:
         raise ValueError(f"{where}: DTensor parameters need a DeviceMesh as distributed_mesh")
-    shards = [
-        (i, pl) for i, pl in enumerate(p.placements) if pl.is_shard() and p.device_mesh.size(i) > 1
-    ]
+    shards = sharded_dims(p)
     if len(shards) > 1:
         raise ValueError(f"{where}: sharded on more than one dim ({p.placements}); not supported")
     if not shards:

@@ -15,13 +15,13 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..distributed import Mesh, Placement
+from ..distributed import Mesh, Placement, sharded_dims
 from ..kernels._grad_index import GradIndex
 from .decoded import decoded_update
 from .state_format import Dense, StateFormat
 
 DENSE = Dense(torch.float32)
-LOCAL = Placement("local")  # updated where it is: no communication
+LOCAL_PLACEMENT = Placement("local")  # updated where it is: no communication
 
 # ``backend``: where the launches run. "auto": the Triton kernels for CUDA tensors, the torch
 # references elsewhere; "triton": the kernels everywhere (on the CPU under the Triton
@@ -190,21 +190,15 @@ class Algorithm:
     def placement(self, param: Tensor, mesh: Mesh, hyper: Hyper, where: str) -> Placement:
         """How ``param`` is updated across ranks (checked when its group is added; raises for
         a layout the algorithm cannot serve, ``where`` naming it). By default where it is
-        (``LOCAL``): an element-wise rule on its local tensor, any whole-parameter rule on a
-        plain or replicated one; a whole-parameter rule needs a rule of its own (Muon's
-        collectives) for a DTensor sharded across ranks."""
-        if not self.elementwise and isinstance(param, DTensor):
-            sharded = [
-                pl
-                for i, pl in enumerate(param.placements)
-                if pl.is_shard() and param.device_mesh.size(i) > 1
-            ]
-            if sharded:
-                raise NotImplementedError(
-                    f"{where}: {self.name or type(self).__name__} updates whole parameters and "
-                    f"has no rule for a DTensor sharded across ranks ({param.placements})"
-                )
-        return LOCAL
+        (``LOCAL_PLACEMENT``): an element-wise rule on its local tensor, any whole-parameter
+        rule on a plain or replicated one; a whole-parameter rule needs a rule of its own
+        (Muon's collectives) for a DTensor sharded across ranks."""
+        if not self.elementwise and isinstance(param, DTensor) and sharded_dims(param):
+            raise NotImplementedError(
+                f"{where}: {self.name or type(self).__name__} updates whole parameters and "
+                f"has no rule for a DTensor sharded across ranks ({param.placements})"
+            )
+        return LOCAL_PLACEMENT
 
     def budget_bytes(self, state_bytes: int, numel: int, mesh_size: int) -> int:
         """What a parameter counts against ``chunk_bytes`` / ``resident_chunk_bytes``, from its

@@ -42,7 +42,6 @@ TINY_CHUNK_BYTES = 32 << 10
 TINY_CHUNK_MIB = (1 / 32, 1 / 16, 1 / 8)
 TINY_MEMORY_LAYERS = (2, 4, 8)  # seconds on a CPU, for CI
 CHUNK_MIB = (32, 64, 128, 512)
-GIB = 1 << 30
 
 
 def _size(text: str) -> float:
@@ -211,6 +210,8 @@ def cpu_warning(args) -> str | None:
     """A warning where a GPU-sized workload is about to run on the CPU (None otherwise)."""
     if args.device != "cpu" or args.workload.startswith("tiny"):
         return None
+    from .timing import GIB  # after parsing: torch is imported by then
+
     specs = workload(args.workload, args.layers)
     state = sum(s.numel * (4 if s.algorithm == "muon" else 8) for s in specs)
     return (
