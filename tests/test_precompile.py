@@ -26,11 +26,19 @@ def _kernel(x, n):  # a JITFunction made from it below (conftest makes @triton.j
     pass
 
 
+def _no_process(self):
+    raise OSError("no process here")  # a job would start it again, fail, and compile here
+
+
 @pytest.fixture
 def compiled_kind(monkeypatch):
-    """As on a GPU: not interpreted (the flag is read per call)."""
+    """As on a GPU: not interpreted (the flag is read per call). The block's worker processes
+    are not started: nothing here is one of Triton's compile closures (fakes, stand-in
+    kernels), so no job reaches them, and each would import Triton, torch and every kernel
+    module before the block could close it (seconds per process, per block, on the CPU)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(precompile.ENV, raising=False)
+    monkeypatch.setattr(precompile.Workers, "_start", _no_process)
 
 
 def test_on_only_for_cuda_compiled_kernels_and_unless_switched_off(monkeypatch, compiled_kind):
