@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 from muon_offload.kernels import _launch, precompile
-from test_precompile import COMPILE_SPY
+from test_precompile import COMPILE_SPY, _no_process
 
 from muon_offload import Muon
 from muon_offload.engine import first_compile
@@ -33,7 +33,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 @pytest.fixture
 def as_on_a_gpu(monkeypatch):
     """``compiling_ahead`` on for the CPU (the switch still read), and a process that has run
-    no unit yet."""
+    no unit yet. No worker processes start (the block's, nor ``prestart``'s at construction):
+    the interpreted kernels are no JITFunctions, so no compile job reaches them, and each
+    would import Triton, torch and every kernel module (seconds per process, per block)."""
+    monkeypatch.setattr(precompile.Workers, "_start", _no_process)
     enabled = precompile.enabled
     monkeypatch.setattr(precompile, "enabled", lambda device: enabled(CUDA))
     monkeypatch.setattr(precompile, "interpreted", lambda: False)
