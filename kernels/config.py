@@ -36,3 +36,14 @@ class Config:
             parts.append(f"tma x{self.programs_per_sm}/sm")
             parts += ["flatten"] * self.flatten + ["ws"] * self.warp_specialize
         return " ".join(parts)
+
+
+def chunked(*rows: tuple[int, int, int]) -> tuple[Config, ...]:
+    """The candidates of a kernel whose programs each cover ``chunk`` elements in tiles of
+    ``block`` (the element-wise, 8-bit and normalization kernels), from (block, chunk,
+    num_warps) rows. Each chunk must be a whole number of tiles: the normalization's
+    unmasked loop steps through its chunk a tile at a time."""
+    for block, chunk, _ in rows:
+        if chunk % block:
+            raise ValueError(f"chunk {chunk} is not a multiple of block {block}")
+    return tuple(Config(block=b, chunk=c, num_warps=w) for b, c, w in rows)

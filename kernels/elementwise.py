@@ -39,6 +39,7 @@ from ._launch import (
     triton_dtype,
 )
 from ._triton import tl, triton
+from .config import chunked
 from .elementwise_reference import AdamWHyper, LionHyper, adamw_scalars, lion_scalars
 
 if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
@@ -47,13 +48,13 @@ if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.
 # Candidates timed by the tuner (block elements per tile, chunk elements per program).
 # 256 MiB of fp32 AdamW state is 32 Mi elements: a 16 Ki chunk gives 2048 programs, about
 # 15 per SM of an H200, enough to hide the tail of the last wave.
-CONFIGS = (
-    Config(block=1024, chunk=16384, num_warps=4),
-    Config(block=2048, chunk=16384, num_warps=8),
-    Config(block=4096, chunk=16384, num_warps=8),
-    Config(block=2048, chunk=65536, num_warps=8),
-    Config(block=1024, chunk=4096, num_warps=4),
-    Config(block=4096, chunk=65536, num_warps=16),
+CONFIGS = chunked(
+    (1024, 16384, 4),
+    (2048, 16384, 8),
+    (4096, 16384, 8),
+    (2048, 65536, 8),
+    (1024, 4096, 4),
+    (4096, 65536, 16),
 )
 # The interpreter runs each program instance in numpy (about 3 ms each): small tiles keep
 # the full-tile loop and the masked tail both exercised by small test tensors.

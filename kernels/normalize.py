@@ -36,14 +36,10 @@ from ._launch import (
     scalar_arg,
 )
 from ._triton import tl, triton
+from .config import chunked
 from .sumsq import flat_matrices
 
-NORMALIZE_CONFIGS = (
-    Config(block=4096, chunk=32768, num_warps=8),
-    Config(block=2048, chunk=16384, num_warps=4),
-    Config(block=8192, chunk=65536, num_warps=16),
-    Config(block=2048, chunk=8192, num_warps=8),
-)
+NORMALIZE_CONFIGS = chunked((4096, 32768, 8), (2048, 16384, 4), (8192, 65536, 16), (2048, 8192, 8))
 NORMALIZE_INTERPRETER_CONFIG = Config(block=256, chunk=1024, num_warps=4)
 
 

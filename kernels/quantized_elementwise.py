@@ -29,6 +29,7 @@ from ._launch import (
     scratch_like,
 )
 from ._triton import tl, triton
+from .config import chunked
 from .elementwise import (
     _adamw_hyper,
     _adamw_step,
@@ -61,12 +62,8 @@ if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.
 
 # Tile = block elements ([block / QBLOCK, QBLOCK] as a 2-D tile), chunk elements a program;
 # both multiples of QBLOCK. Candidates around the fp32 kernels' measured best (elementwise.py).
-CONFIGS = (
-    Config(block=2048, chunk=16384, num_warps=8),
-    Config(block=1024, chunk=16384, num_warps=4),
-    Config(block=4096, chunk=16384, num_warps=8),
-    Config(block=2048, chunk=65536, num_warps=8),
-    Config(block=1024, chunk=4096, num_warps=4),
+CONFIGS = chunked(
+    (2048, 16384, 8), (1024, 16384, 4), (4096, 16384, 8), (2048, 65536, 8), (1024, 4096, 4)
 )
 # Two blocks a tile, two tiles a program: small tests cover full tiles, the masked tail and
 # several programs.

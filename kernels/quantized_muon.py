@@ -26,6 +26,7 @@ from ._launch import (
     triton_dtype,
 )
 from ._triton import tl, triton
+from .config import chunked
 from .elementwise import _typed
 from .muon import _momentum_step, muon_prep_reference, prep_outputs
 from .quant_maps import (
@@ -43,12 +44,7 @@ from .quant_maps import (
 )
 from .quantized_elementwise import _state_ptrs
 
-PREP_CONFIGS = (
-    Config(block=2048, chunk=32768, num_warps=8),
-    Config(block=1024, chunk=16384, num_warps=4),
-    Config(block=4096, chunk=32768, num_warps=8),
-    Config(block=2048, chunk=8192, num_warps=8),
-)
+PREP_CONFIGS = chunked((2048, 32768, 8), (1024, 16384, 4), (4096, 32768, 8), (2048, 8192, 8))
 # Two blocks a tile, two tiles a program (as the element-wise kernels' interpreter config).
 PREP_INTERPRETER_CONFIG = Config(block=2 * QBLOCK, chunk=4 * QBLOCK, num_warps=4)
 SUM_BLOCK = 64  # partial sums a step of the final per-matrix sum (fixed: fixes its order)
