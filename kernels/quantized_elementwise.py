@@ -82,12 +82,12 @@ def _state_ptrs(row, index, CODE: tl.constexpr, start, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _adamw8_tile(
+def _step8_tile(
     p_ptr,
     g_ptr,
     mc_ptr,
     ms_ptr,
-    vc_ptr,
+    vc_ptr,  # the variance's codes and scales (ADAMW); Lion's kernel passes m's, unread
     vs_ptr,
     start,
     count,
@@ -95,18 +95,40 @@ def _adamw8_tile(
     BLOCK: tl.constexpr,
     MASKED: tl.constexpr,
     CAUTIOUS: tl.constexpr,
+    ADAMW: tl.constexpr,  # AdamW's step on m and v, else Lion's on its momentum m
 ):
+    M_POWER: tl.constexpr = 4 if ADAMW else 2  # adam_m's map, else momentum's (one salt)
     offs, i_b, col = _block_tile(start, BLOCK)
     mask = offs < count if MASKED else None
     bmask = i_b * _QB < count if MASKED else None
     p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
     g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
-    m = _load_state(mc_ptr, ms_ptr, offs, i_b, mask, bmask, MASKED, 4, _INV127)
-    v = _load_state(vc_ptr, vs_ptr, offs, i_b, mask, bmask, MASKED, 4, _INV255)
-    p, m, v = _adamw_step(p, g, m, v, hyper, CAUTIOUS)
+    m = _load_state(mc_ptr, ms_ptr, offs, i_b, mask, bmask, MASKED, M_POWER, _INV127)
+    if ADAMW:
+        v = _load_state(vc_ptr, vs_ptr, offs, i_b, mask, bmask, MASKED, 4, _INV255)
+        p, m, v = _adamw_step(p, g, m, v, hyper, CAUTIOUS)
+    else:
+        p, m = _lion_step(p, g, m, hyper, CAUTIOUS)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    _store_state(m, mc_ptr, ms_ptr, offs, i_b, col, mask, bmask, 4, 127, _INV127, True, _SALT_M)
-    _store_state(v, vc_ptr, vs_ptr, offs, i_b, col, mask, bmask, 4, 255, _INV255, False, _SALT_V)
+    _store_state(
+        m, mc_ptr, ms_ptr, offs, i_b, col, mask, bmask, M_POWER, 127, _INV127, True, _SALT_M
+    )
+    if ADAMW:
+        _store_state(
+            v, vc_ptr, vs_ptr, offs, i_b, col, mask, bmask, 4, 255, _INV255, False, _SALT_V
+        )
+
+
+@triton.jit
+def _step8_chunk(
+    ptrs, count, hyper, BLOCK: tl.constexpr, CAUTIOUS: tl.constexpr, ADAMW: tl.constexpr
+):
+    """A program's chunk, ``_step8_tile`` on each tile (``ptrs``: its six pointers)."""
+    n_full = count // BLOCK
+    for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
+        _step8_tile(*ptrs, i_t * BLOCK, count, hyper, BLOCK, False, CAUTIOUS, ADAMW)
+    if n_full * BLOCK < count:
+        _step8_tile(*ptrs, n_full * BLOCK, count, hyper, BLOCK, True, CAUTIOUS, ADAMW)
 
 
 @triton.jit
@@ -125,36 +147,8 @@ def _adamw8_kernel(
     mc_ptr, ms_ptr = _state_ptrs(row, 2, tl.int8, start, ALIGNED)
     vc_ptr, vs_ptr = _state_ptrs(row, 4, tl.uint8, start, ALIGNED)
     hyper = _adamw_hyper(scalars)
-    n_full = count // BLOCK
     ptrs = (p_ptr, g_ptr, mc_ptr, ms_ptr, vc_ptr, vs_ptr)
-    for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
-        _adamw8_tile(*ptrs, i_t * BLOCK, count, hyper, BLOCK, False, CAUTIOUS)
-    if n_full * BLOCK < count:
-        _adamw8_tile(*ptrs, n_full * BLOCK, count, hyper, BLOCK, True, CAUTIOUS)
-
-
-@triton.jit
-def _lion8_tile(
-    p_ptr,
-    g_ptr,
-    mc_ptr,
-    ms_ptr,
-    start,
-    count,
-    hyper,
-    BLOCK: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUTIOUS: tl.constexpr,
-):
-    offs, i_b, col = _block_tile(start, BLOCK)
-    mask = offs < count if MASKED else None
-    bmask = i_b * _QB < count if MASKED else None
-    p = _ld(p_ptr + offs, mask, MASKED).to(tl.float32)
-    g = _ld(g_ptr + offs, mask, MASKED).to(tl.float32)
-    m = _load_state(mc_ptr, ms_ptr, offs, i_b, mask, bmask, MASKED, 2, _INV127)
-    p, m = _lion_step(p, g, m, hyper, CAUTIOUS)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    _store_state(m, mc_ptr, ms_ptr, offs, i_b, col, mask, bmask, 2, 127, _INV127, True, _SALT_M)
+    _step8_chunk(ptrs, count, hyper, BLOCK, CAUTIOUS, True)
 
 
 @triton.jit
@@ -171,12 +165,9 @@ def _lion8_kernel(
     row, start, count, p_ptr, g_ptr = _segment(table, grads, 6, P_DTYPE, G_DTYPE, ALIGNED)
     mc_ptr, ms_ptr = _state_ptrs(row, 2, tl.int8, start, ALIGNED)
     hyper = _lion_hyper(scalars)
-    n_full = count // BLOCK
-    ptrs = (p_ptr, g_ptr, mc_ptr, ms_ptr)
-    for i_t in range(n_full):  # full tiles: no mask, so accesses stay 16 bytes wide
-        _lion8_tile(*ptrs, i_t * BLOCK, count, hyper, BLOCK, False, CAUTIOUS)
-    if n_full * BLOCK < count:
-        _lion8_tile(*ptrs, n_full * BLOCK, count, hyper, BLOCK, True, CAUTIOUS)
+    _step8_chunk(
+        (p_ptr, g_ptr, mc_ptr, ms_ptr, mc_ptr, ms_ptr), count, hyper, BLOCK, CAUTIOUS, False
+    )
 
 
 # ----------------------------------------------------------------------------- launchers
