@@ -12,7 +12,7 @@ from torch import Tensor
 from .elementwise_reference import cautious_decay
 
 if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
-    from typing_extensions import Unpack
+    from typing_extensions import Required, Unpack
 
 
 def new_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | None):
@@ -32,6 +32,15 @@ class ApplyHyper(TypedDict):
     lr: float
     weight_decay: float
     adjusted_lr: float
+
+
+class PrepKeywords(TypedDict, total=False):
+    """``muon_prep_reference``'s keywords, which the 8-bit reference passes on unchanged."""
+
+    mu: Required[float]
+    nesterov: Required[bool]
+    out: Tensor | None
+    sumsq: Tensor | None
 
 
 def apply_scalars(lr: float, weight_decay: float, adjusted_lr: float) -> tuple[float, float]:

@@ -7,6 +7,7 @@ reduced in an order fixed by the matrix shape: no result depends on how matrices
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from ._triton import tl, triton
 from .config import chunked
 from .elementwise import _typed
 from .muon import _momentum_step, muon_prep_reference, prep_outputs
+from .muon_reference import PrepKeywords
 from .quant_maps import (
     _INV127,
     _QB,
@@ -43,6 +45,9 @@ from .quant_maps import (
     requantize_,
 )
 from .quantized_elementwise import _state_ptrs
+
+if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
+    from typing_extensions import Unpack
 
 PREP_CONFIGS = chunked((2048, 32768, 8), (1024, 16384, 4), (4096, 32768, 8), (2048, 8192, 8))
 # Two blocks a tile, two tiles a program (as the element-wise kernels' interpreter config).
@@ -231,17 +236,12 @@ def muon_prep8_reference(
     m_codes: Sequence[Tensor],
     m_scales: Sequence[Tensor],
     grads: Sequence[Tensor],
-    *,
-    mu: float,
-    nesterov: bool,
-    out: Tensor | None = None,
-    sumsq: Tensor | None = None,
+    **prep: Unpack[PrepKeywords],
 ) -> tuple[Tensor, Tensor]:
-    """``muon_prep_reference`` on dequantized momentum, requantized after."""
+    """``muon_prep_reference`` (its keywords) on dequantized momentum, requantized after."""
     pairs = list(zip(m_codes, m_scales, strict=True))
     momentums = [dequantize(mc, ms, "momentum") for mc, ms in pairs]
-    kw = dict(mu=mu, nesterov=nesterov, out=out, sumsq=sumsq)
-    out, sumsq = muon_prep_reference(momentums, grads, **kw)
+    out, sumsq = muon_prep_reference(momentums, grads, **prep)
     for (mc, ms), m in zip(pairs, momentums, strict=True):
         requantize_(mc, ms, m, "momentum")
     return out, sumsq
