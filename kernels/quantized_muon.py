@@ -35,7 +35,6 @@ from .quant_maps import (
     _INV127,
     _QB,
     _SALT_M,
-    QBLOCK,
     _block_tile,
     _ld,
     _load_state,
@@ -44,14 +43,14 @@ from .quant_maps import (
     dequantize,
     requantize_,
 )
-from .quantized_elementwise import _state_ptrs
+from .quantized_elementwise import INTERPRETER_CONFIG, _state_ptrs
 
 if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
     from typing_extensions import Unpack
 
 PREP_CONFIGS = chunked((2048, 32768, 8), (1024, 16384, 4), (4096, 32768, 8), (2048, 8192, 8))
-# Two blocks a tile, two tiles a program (as the element-wise kernels' interpreter config).
-PREP_INTERPRETER_CONFIG = Config(block=2 * QBLOCK, chunk=4 * QBLOCK, num_warps=4)
+# Two blocks a tile, two tiles a program: the element-wise 8-bit kernels' interpreter config.
+PREP_INTERPRETER_CONFIG = INTERPRETER_CONFIG
 SUM_BLOCK = 64  # partial sums a step of the final per-matrix sum (fixed: fixes its order)
 
 
