@@ -13,8 +13,8 @@ the plain-torch versions (CPU path, and what the kernels are tested against).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import ParamSpec
 
 import numpy as np
 import torch
@@ -40,10 +40,9 @@ from ._launch import (
 )
 from ._triton import tl, triton
 from .config import chunked
-from .elementwise_reference import AdamWHyper, LionHyper, adamw_scalars, lion_scalars
+from .elementwise_reference import adamw_reference_, adamw_scalars, lion_reference_, lion_scalars
 
-if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
-    from typing_extensions import Unpack
+P = ParamSpec("P")  # a reference's parameters, which its launcher takes (``launcher_of``)
 
 # Candidates timed by the tuner (block elements per tile, chunk elements per program).
 # 256 MiB of fp32 AdamW state is 32 Mi elements: a 16 Ki chunk gives 2048 programs, about
@@ -324,22 +323,6 @@ def _on(tensors: Sequence[Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def adamw_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    exp_avg_sqs: Sequence[Tensor],
-    *,
-    cautious_wd: bool = False,
-    **hyper: Unpack[AdamWHyper],
-) -> None:
-    """Fused AdamW over any number of segments of any sizes; same math as
-    ``adamw_reference_``. Hyper-parameters are runtime values: changing them never
-    recompiles (``cautious_wd``, a compile-time flag, does)."""
-    scalars = device_scalars(adamw_scalars(**hyper), _on(params))
-    adamw_from_(params, grads, exp_avgs, exp_avg_sqs, scalars, cautious_wd=cautious_wd)
-
-
 def adamw_from_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -359,19 +342,6 @@ def adamw_from_(
     _launch_segments(_adamw_kernel, "adamw", lists, scalars, grad_index, cautious_wd)
 
 
-def lion_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Tensor],
-    *,
-    cautious_wd: bool = False,
-    **hyper: Unpack[LionHyper],
-) -> None:
-    """Fused Lion over any number of segments of any sizes; same math as ``lion_reference_``."""
-    scalars = device_scalars(lion_scalars(**hyper), _on(params))
-    lion_from_(params, grads, exp_avgs, scalars, cautious_wd=cautious_wd)
-
-
 def lion_from_(
     params: Sequence[Tensor],
     grads,
@@ -386,3 +356,41 @@ def lion_from_(
         check_scalars(scalars, 4, params[0].device)
     lists = (params, grads, exp_avgs)
     _launch_segments(_lion_kernel, "lion", lists, scalars, grad_index, cautious_wd)
+
+
+def launcher_of(
+    reference: Callable[P, None],
+    from_: Callable[..., None],
+    scalars_of: Callable[..., tuple[float, ...]],
+    doc: str,
+) -> Callable[P, None]:
+    """The launcher that takes ``reference``'s arguments (segment lists, ``cautious_wd`` and the
+    hyper-parameters as Python numbers) and runs ``from_`` with the hyper-parameters' runtime
+    scalars (``scalars_of(**hyper)``) as a device tensor (``device_scalars``: one per value):
+    the four launchers of the fp32 and 8-bit AdamW and Lion kernels."""
+
+    def launch(*lists, cautious_wd: bool = False, **hyper) -> None:
+        scalars = device_scalars(scalars_of(**hyper), _on(lists[0]))
+        from_(*lists, scalars, cautious_wd=cautious_wd)
+
+    launch.__name__ = launch.__qualname__ = from_.__name__.removesuffix("from_")
+    launch.__doc__ = doc
+    launch.__wrapped__ = reference  # what ``inspect.signature`` shows: the reference's arguments
+    return launch
+
+
+adamw_ = launcher_of(
+    adamw_reference_,
+    adamw_from_,
+    adamw_scalars,
+    """Fused AdamW over any number of segments of any sizes; ``adamw_reference_``'s arguments
+    and math. Hyper-parameters are runtime values: changing them never recompiles
+    (``cautious_wd``, a compile-time flag, does).""",
+)
+lion_ = launcher_of(
+    lion_reference_,
+    lion_from_,
+    lion_scalars,
+    """Fused Lion over any number of segments of any sizes; ``lion_reference_``'s arguments and
+    math.""",
+)

@@ -10,9 +10,6 @@ its parameter, so chunks (multiples of ``QBLOCK``) cut no block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
@@ -24,7 +21,6 @@ from ._launch import (
     bench_ms,
     bucket,
     check_scalars,
-    device_scalars,
     dtype_name,
     scratch_like,
 )
@@ -36,13 +32,12 @@ from .elementwise import (
     _launch_group,
     _lion_hyper,
     _lion_step,
-    _on,
     _segment,
     _typed,
     adamw_scalars,
+    launcher_of,
     lion_scalars,
 )
-from .elementwise_reference import AdamWHyper, LionHyper
 from .quant_maps import (
     _INV127,
     _INV255,
@@ -56,9 +51,7 @@ from .quant_maps import (
     _store_state,
     check_segments,
 )
-
-if TYPE_CHECKING:  # typing_extensions (a torch dependency): Unpack on Python 3.10
-    from typing_extensions import Unpack
+from .quantized_elementwise_reference import adamw8_reference_, lion8_reference_
 
 # Tile = block elements ([block / QBLOCK, QBLOCK] as a 2-D tile), chunk elements a program;
 # both multiples of QBLOCK. Candidates around the fp32 kernels' measured best (elementwise.py).
@@ -225,25 +218,6 @@ def _launch_segments(kernel, name, params, grads, states, scalars, index, cautio
             launch(ptrs, grad_table, config)
 
 
-def adamw8_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    m_codes: Sequence[Tensor],
-    m_scales: Sequence[Tensor],
-    v_codes: Sequence[Tensor],
-    v_scales: Sequence[Tensor],
-    *,
-    cautious_wd: bool = False,
-    **hyper: Unpack[AdamWHyper],
-) -> None:
-    """Fused AdamW on 8-bit state (``adam_m`` / ``adam_v`` maps), any number of segments;
-    same math as ``adamw8_reference_``. Each segment starts on a block boundary of its
-    parameter; its scales hold ceil(numel / QBLOCK) entries."""
-    scalars = device_scalars(adamw_scalars(**hyper), _on(params))
-    state = (m_codes, m_scales, v_codes, v_scales)
-    adamw8_from_(params, grads, *state, scalars, cautious_wd=cautious_wd)
-
-
 def adamw8_from_(
     params,
     grads,
@@ -265,20 +239,6 @@ def adamw8_from_(
     _launch_segments(_adamw8_kernel, "adamw8", *args)
 
 
-def lion8_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    m_codes: Sequence[Tensor],
-    m_scales: Sequence[Tensor],
-    *,
-    cautious_wd: bool = False,
-    **hyper: Unpack[LionHyper],
-) -> None:
-    """Fused Lion on 8-bit momentum (``momentum`` map); same math as ``lion8_reference_``."""
-    scalars = device_scalars(lion_scalars(**hyper), _on(params))
-    lion8_from_(params, grads, m_codes, m_scales, scalars, cautious_wd=cautious_wd)
-
-
 def lion8_from_(
     params, grads, m_codes, m_scales, scalars: Tensor, grad_index=None, cautious_wd=False
 ) -> None:
@@ -289,3 +249,20 @@ def lion8_from_(
     states = [("m_codes", m_codes, m_scales, "momentum")]
     args = (params, grads, states, scalars, grad_index, cautious_wd)
     _launch_segments(_lion8_kernel, "lion8", *args)
+
+
+adamw8_ = launcher_of(
+    adamw8_reference_,
+    adamw8_from_,
+    adamw_scalars,
+    """Fused AdamW on 8-bit state (``adam_m`` / ``adam_v`` maps), any number of segments;
+    ``adamw8_reference_``'s arguments and math. Each segment starts on a block boundary of its
+    parameter; its scales hold ceil(numel / QBLOCK) entries.""",
+)
+lion8_ = launcher_of(
+    lion8_reference_,
+    lion8_from_,
+    lion_scalars,
+    """Fused Lion on 8-bit momentum (``momentum`` map); ``lion8_reference_``'s arguments and
+    math.""",
+)
