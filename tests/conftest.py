@@ -22,21 +22,39 @@ if not _has_cuda_gpu():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Tests of the tools around the optimizers (bench scripts, the CLI, the docs' snippets, the
-# package layout): what they check does not change with the torch or Triton version, so CI runs
-# them under one stack only (.ci/run: -m "not tooling" elsewhere).
-TOOLING = (
-    "test_bench_",
-    "test_docs",
-    "test_fsdp2_transformers_bench",
-    "test_layout",
-    "test_multi_gpu_bench",
-    "test_packaging",
-    "test_resident_vs_dion_script",
-    "test_tools_cli",
-    "test_train_compare",
-    "test_transformers_bench",
+# The tests of the surfaces where torch and Triton versions differ: Triton's interpreter and
+# compiler (the kernels, their compile check and tuning, the private launcher and compile APIs
+# that precompiling uses), torch's distributed, DTensor and checkpoint APIs, the dispatch hooks
+# the CPU stand-in of a CUDA graph records through, torch.optim.Optimizer's protocol and torch's
+# AdamW, transformers' Trainer on torch. CI runs these under every stack it tests (.ci/run:
+# -m stacks) and the rest, the engine's own logic over tensors and the tools around it, under
+# one: a test of one of these surfaces goes in a file named so.
+VERSION_SURFACES = (
+    "test_kernels_",
+    "test_kernel_variants",
+    "test_precompile",
+    "test_first_compile",
+    "test_launch_caches",
+    "test_int8_state",
+    "test_without_triton",
+    "test_math",
+    "test_distributed",
+    "test_graph_mesh",
+    "test_rank_agreement",
+    "test_gpu_",
+    "test_checkpoints",
+    "test_dion_interchange",
+    "test_cuda_graph",
+    "test_graph_ends",
+    "test_graph_fresh_grads",
+    "test_optimizer_api",
+    "test_vs_torch_adamw",
+    "test_transformers.py",
 )
+
+# The longest single test (it compiles every kernel variant on a pool of its own): started
+# first, so that the rest of the suite runs beside it rather than after it.
+FIRST = "test_kernels_compile.py"
 
 
 # Bench scripts set TORCHDYNAMO_DISABLE when imported (their runs are eager); torch._dynamo reads
@@ -63,7 +81,9 @@ def _dynamo_env_kept():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "tooling: tests of the bench scripts, CLI, docs, layout")
+    config.addinivalue_line(
+        "markers", "stacks: tests of what differs between torch and Triton versions"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,8 +91,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_cuda)
-        if item.path.name.startswith(TOOLING):
-            item.add_marker(pytest.mark.tooling)
+        if item.path.name.startswith(VERSION_SURFACES):
+            item.add_marker(pytest.mark.stacks)
+    items.sort(key=lambda item: item.path.name != FIRST)  # stable: the rest keep their order
 
 
 @pytest.fixture
