@@ -34,7 +34,10 @@ def _random_params(rng, n=40, resident_share=0.0):
             key = (shape, "f32")
             matrices = math.prod(shape[:-2])
         else:
-            numel = rng.choice([1, 7, 100, 5000, 40000])
+            # 13,000: over the largest cut budget (50,000 bytes) at 4 and 8 bytes an element,
+            # so cut at every budget but 10**9; the planning time grows with the segments a
+            # budget below one aligned cut makes (numel / 64), so no larger.
+            numel = rng.choice([1, 7, 100, 5000, 13000])
             per = 8 if algorithm == "adamw" else 4
             key = None
         params.append(
