@@ -3,9 +3,11 @@ what a launch inside the block does, the pool's compiles, the tuner inside the b
 GPU, a fresh-cache first step whose kernels all compile on the pool, with the same results."""
 
 import contextlib
+import importlib
 import inspect
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,8 @@ import threading
 import pytest
 import torch
 from muon_offload.kernels import _launch, precompile
+
+from muon_offload import kernels
 
 triton = pytest.importorskip("triton")
 async_compile = pytest.importorskip("triton.runtime._async_compile")
@@ -35,7 +39,15 @@ def compiled_kind(monkeypatch):
     """As on a GPU: not interpreted (the flag is read per call). The block's worker processes
     are not started: nothing here is one of Triton's compile closures (fakes, stand-in
     kernels), so no job reaches them, and each would import Triton, torch and every kernel
-    module before the block could close it (seconds per process, per block, on the CPU)."""
+    module before the block could close it (seconds per process, per block, on the CPU).
+
+    Every kernel module is imported first, under the variable as conftest set it: ``@triton.jit``
+    picks the interpreter or the compiler when its module is imported, so a module first
+    imported in a test here (``quantized_muon`` by ``_muon_prep8``) would keep compiled
+    kernels for the rest of the process, and a later test's CPU launch of them would look for
+    a GPU driver."""
+    for info in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{info.name}")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv(precompile.ENV, raising=False)
     monkeypatch.setattr(precompile.Workers, "_start", _no_process)
