@@ -1,6 +1,7 @@
 """The streaming engine through its CPU path: offloaded and chunked steps equal the resident,
 unchunked step bitwise (same kernels), whatever the chunk size and resident budget."""
 
+import functools
 import itertools
 from collections import defaultdict
 
@@ -37,6 +38,13 @@ def _run(init, steps=3, nesterov=False, **kwargs):
     return params, opt
 
 
+@functools.cache
+def _resident(dtype, seed, **kwargs):
+    """The resident, unchunked run of ``_init(dtype, seed)`` that several cases compare with:
+    made once a module, then only read (no case steps it again)."""
+    return _run(_init(dtype, seed), **kwargs)
+
+
 STATE_BYTES = 4 * (4 * 24 * 40 + 3 * 8 * 12 + 16 * 16) + 8 * (77 + 300) + 4 * 5
 CHUNKS = [1, 1000, 3840, 8000, STATE_BYTES, 1 << 30]
 
@@ -46,9 +54,8 @@ CHUNKS = [1, 1000, 3840, 8000, STATE_BYTES, 1 << 30]
     list(itertools.product([torch.float32, torch.bfloat16], [False, True], CHUNKS)),
 )
 def test_offloaded_equals_resident_bitwise(dtype, nesterov, chunk_bytes):
-    init = _init(dtype)
-    resident = _run(init, nesterov=nesterov)
-    offloaded = _run(init, nesterov=nesterov, offload=True, chunk_bytes=chunk_bytes)
+    resident = _resident(dtype, 0, nesterov=nesterov)
+    offloaded = _run(_init(dtype), nesterov=nesterov, offload=True, chunk_bytes=chunk_bytes)
     assert_bitwise(offloaded, resident)
     # State really is in the host slabs, not beside them.
     slab_ptrs = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in offloaded[1]._store.host.slabs]
@@ -64,7 +71,7 @@ def test_partial_offload_equals_resident_bitwise(resident_bytes):
     if resident_bytes is None:  # None with offload: nothing resident
         kwargs.pop("resident_bytes")
     partial = _run(init, **kwargs)
-    assert_bitwise(partial, _run(init))
+    assert_bitwise(partial, _resident(torch.float32, 1))
     streamed = partial[1]._store.streamed
     if resident_bytes == STATE_BYTES:
         assert not streamed
@@ -80,7 +87,7 @@ def test_chunked_equals_unchunked_resident_bitwise(resident_chunk_bytes):
     chunked = _run(init, resident_chunk_bytes=resident_chunk_bytes)
     plan = next(iter(chunked[1]._plans.values()))[0]
     assert len(plan.chunks) > 1 or resident_chunk_bytes == 1 << 30
-    assert_bitwise(chunked, _run(init, resident_chunk_bytes=1 << 30))
+    assert_bitwise(chunked, _resident(torch.float32, 2, resident_chunk_bytes=1 << 30))
 
 
 def test_resident_chunks_take_their_own_budget():
@@ -190,7 +197,7 @@ def test_kernels_through_the_interpreter_match_the_reference():
     below holds the kernels to the reference far tighter."""
     gen = torch.Generator().manual_seed(6)
     init = [torch.randn(s, generator=gen) for s in KERNEL_SHAPES]
-    rel = _update_rel(_run_backend("triton")[0], _run_backend("torch")[0], init)
+    rel = _update_rel(_triton_resident()[0], _run_backend("torch")[0], init)
     assert max(rel[:3]) < 4e-2
     assert max(rel[3:]) < 1e-5
 
@@ -210,8 +217,14 @@ def test_kernels_match_the_reference_on_gpu():
     assert max(rel) < 2e-5, rel
 
 
+@functools.cache
+def _triton_resident():
+    """``_run_backend("triton")``, which two tests compare with: made once, only read."""
+    return _run_backend("triton")
+
+
 def test_kernels_offloaded_equal_kernels_resident_bitwise():
-    assert_bitwise(_run_backend("triton", offload=True, chunk_bytes=4000), _run_backend("triton"))
+    assert_bitwise(_run_backend("triton", offload=True, chunk_bytes=4000), _triton_resident())
 
 
 def test_failed_pinned_allocation_names_the_bytes(monkeypatch):
@@ -311,22 +324,27 @@ def test_dropped_state_space_is_reused(how, resident_bytes):
     """State dropped (``del opt.state[p]``, a new ``opt.state``) and made afresh at the next
     step: host memory stays as it was, the same parameters stay resident, and the steps stay
     those of resident state dropped the same way."""
-    init = _init(torch.float32)
-    runs = []
-    for kwargs in (dict(offload=True, chunk_bytes=3000, resident_bytes=resident_bytes), {}):
-        params, opt = _run(init, steps=1, **kwargs)
-        held, streamed = opt.host_state_bytes, set(opt._store.streamed)
-        for s in range(4):
-            _reset(opt, params, how)
-            gen = torch.Generator().manual_seed(400 + s)
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
-            assert opt.host_state_bytes == held
-            assert opt._store.streamed == streamed
-        runs.append((params, opt))
-    assert runs[0][1].host_state_bytes > 0
-    assert_bitwise(*runs)
+    offloaded = _dropped_run(how, offload=True, chunk_bytes=3000, resident_bytes=resident_bytes)
+    assert offloaded[1].host_state_bytes > 0
+    assert_bitwise(offloaded, _dropped_run(how))
+
+
+@functools.cache
+def _dropped_run(how, **kwargs):
+    """A step, then four of state dropped ``how`` before each: host memory and the streamed
+    parameters as after the first. Cached: the resident run (no kwargs) is the same for both
+    ``resident_bytes`` cases, and only read."""
+    params, opt = _run(_init(torch.float32), steps=1, **kwargs)
+    held, streamed = opt.host_state_bytes, set(opt._store.streamed)
+    for s in range(4):
+        _reset(opt, params, how)
+        gen = torch.Generator().manual_seed(400 + s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        assert opt.host_state_bytes == held
+        assert opt._store.streamed == streamed
+    return params, opt
 
 
 def test_state_still_held_elsewhere_is_not_overwritten():
