@@ -2,6 +2,8 @@
 element-wise parameter on block boundaries. Whatever the cut, a step is bitwise the resident,
 unchunked one, and the state is still one entry a parameter (``state_dict``)."""
 
+import functools
+
 import pytest
 import torch
 from _mixed_runs import assert_bitwise, mixed_run
@@ -25,6 +27,13 @@ def _init(seed=0):
 
 def _run(state_dtype, steps=3, **kwargs):
     return mixed_run(_init(), MUON, ADAMW, 40, steps=steps, state_dtype=state_dtype, **kwargs)
+
+
+@functools.cache
+def _shared_run(state_dtype, **kwargs):
+    """``_run`` for the runs that several cases compare (the resident one against each chunk
+    size, the offloaded ones against each other): made once a module, then only read."""
+    return _run(state_dtype, **kwargs)
 
 
 def _stack_pieces(opt):
@@ -56,8 +65,8 @@ def _assert_same_state_dicts(a, b):
 @pytest.mark.parametrize("state_dtype", [None, torch.int8])
 @pytest.mark.parametrize("chunk_bytes", CHUNKS)
 def test_cut_parameters_step_bitwise_as_resident(state_dtype, chunk_bytes):
-    resident = _run(state_dtype)
-    offloaded = _run(state_dtype, offload=True, chunk_bytes=chunk_bytes)
+    resident = _shared_run(state_dtype)
+    offloaded = _shared_run(state_dtype, offload=True, chunk_bytes=chunk_bytes)
     assert_bitwise(offloaded, resident)
     _assert_same_state_dicts(offloaded[1], resident[1])
     # The stack is cut only when over budget, at matrix boundaries, in order, each matrix
@@ -73,8 +82,8 @@ def test_cut_parameters_step_bitwise_as_resident(state_dtype, chunk_bytes):
 @pytest.mark.parametrize("state_dtype", [None, torch.int8])
 def test_cut_chunks_equal_one_huge_chunk_bitwise(state_dtype):
     """Offloaded both: the stack cut in four (20,000) against everything in one chunk."""
-    cut = _run(state_dtype, offload=True, chunk_bytes=20_000)
-    whole = _run(state_dtype, offload=True, chunk_bytes=1 << 30)
+    cut = _shared_run(state_dtype, offload=True, chunk_bytes=20_000)
+    whole = _shared_run(state_dtype, offload=True, chunk_bytes=1 << 30)
     assert _stack_pieces(cut[1]) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     assert _stack_pieces(whole[1]) == [(0, 7)]
     assert_bitwise(cut, whole)
@@ -87,6 +96,7 @@ def test_state_dict_of_a_cut_run_loads_into_any_chunking(state_dtype):
     stopped."""
     cut = _run(state_dtype, steps=2, offload=True, chunk_bytes=3_000)
     resident = _run(state_dtype, steps=2)
+    expected = _shared_run(state_dtype)  # the run that never stopped, three steps
     for source, target_kwargs in ((cut, {}), (resident, dict(offload=True, chunk_bytes=3_000))):
         params = [torch.nn.Parameter(p.detach().clone()) for p in source[0]]
         groups = [
@@ -100,7 +110,7 @@ def test_state_dict_of_a_cut_run_loads_into_any_chunking(state_dtype):
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
-        assert_bitwise((params, opt), _run(state_dtype, steps=3))
+        assert_bitwise((params, opt), expected)
 
 
 def test_cut_stack_through_the_kernels_equals_resident_bitwise():
