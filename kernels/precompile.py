@@ -112,7 +112,12 @@ WORKER = (sys.executable, "-m", "muon_offload.kernels._compile_worker")
 
 
 def _worker_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # ``python -m`` puts the working directory first on the worker's path: a folder named
+    # muon_offload there (a source checkout installed elsewhere) would be imported in place of
+    # the package this process runs, and every job fail. Python 3.11 on leaves it out.
+    env["PYTHONSAFEPATH"] = "1"
+    return env
 
 
 def _job(compile_fn: Callable) -> tuple | None:

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import json
 import os
+import pickle
 import pkgutil
 import subprocess
 import sys
@@ -652,3 +653,24 @@ def test_a_units_winners_compile_while_the_next_units_keys_are_timed(monkeypatch
         second = [("a", False, True)] + ([] if fail else [("c", False, True)])
         assert events[:3] == first and sorted(events[3:]) == second
         assert timed == [("a", 0), ("a", 1), ("c", 0)] + ([] if fail else [("c", 1)])
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH: Python 3.11 on")
+def test_a_worker_imports_the_package_of_its_parent_whatever_its_working_directory(tmp_path):
+    """A folder named muon_offload in the working directory (a source checkout installed
+    elsewhere) does not shadow, in a worker, the package its parent runs."""
+    shadow = tmp_path / "muon_offload"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the shadowing folder')\n")
+    job = ("muon_offload.kernels.sumsq", "no_such_kernel", {}, {}, {}, None, {})
+    done = subprocess.run(
+        precompile.WORKER,
+        input=pickle.dumps(job),
+        capture_output=True,
+        cwd=tmp_path,
+        env=precompile._worker_env(),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reply = pickle.loads(done.stdout)
+    assert reply.startswith("AttributeError") and "no_such_kernel" in reply, reply
