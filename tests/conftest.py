@@ -4,6 +4,12 @@ set here, at collection start, and nothing above imports a kernel module."""
 
 import os
 
+# One CPU thread a process for torch's operations: the suite runs a worker per core (-n auto)
+# and spawns ranks and scripts beside them, and two threads a process contend on every small
+# operation (a 24 x 40 batched product: 0.03 ms on one thread, 7.9 ms on two against another
+# worker). Set before torch is imported, so the processes the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def _has_cuda_gpu() -> bool:
     import torch  # torch defines no Triton kernels, so importing it first is safe
@@ -21,6 +27,9 @@ if not _has_cuda_gpu():
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Where torch was imported before this file (a plugin), the variable came too late for it.
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # The tests of the surfaces where torch and Triton versions differ: Triton's interpreter and
 # compiler (the kernels, their compile check and tuning, the private launcher and compile APIs
