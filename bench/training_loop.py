@@ -89,11 +89,12 @@ MODES = (
     "ours_offload_int8",
     "ours_offload_int8_eager",
     "ours_offload_int8_512mib",
+    "ours_offload_int8_512mib_eager",
     "dion_resident",
     "torch_adamw",
 )
 # Run only when named in --modes: another chunk size against the default's.
-OPTIONAL = ("ours_offload_int8_512mib",)
+OPTIONAL = ("ours_offload_int8_512mib", "ours_offload_int8_512mib_eager")
 OURS = {
     "ours_resident": dict(offload=False),
     "ours_offload_fp32": dict(offload=True),
@@ -103,7 +104,11 @@ OURS = {
 }
 # Twins of graphed modes with ``cuda_graph=False``: every step eager, as a first step, a
 # closure or a changed set of gradients runs; their host ms is what the host takes to issue it.
-EAGER = {"ours_resident_eager": "ours_resident", "ours_offload_int8_eager": "ours_offload_int8"}
+EAGER = {
+    "ours_resident_eager": "ours_resident",
+    "ours_offload_int8_eager": "ours_offload_int8",
+    "ours_offload_int8_512mib_eager": "ours_offload_int8_512mib",
+}
 MOE = dict(
     vocab_size=32000,
     hidden_size=1024,

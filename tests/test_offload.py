@@ -10,6 +10,7 @@ import torch
 from _mixed_runs import assert_bitwise, mixed_run
 
 from muon_offload import AdamW, Muon
+from muon_offload.engine.settings import Settings
 
 SHAPES = [(24, 40), (24, 40), (40, 24), (24, 40), (3, 8, 12), (16, 16), (77,), (300,), (5,)]
 
@@ -106,6 +107,27 @@ def test_resident_chunks_take_their_own_budget():
     assert [c.resident for c in plan.chunks].count(True) == 1
     assert all(c.plan_bytes <= 1000 for c in plan.chunks if not c.resident and len(c.units) > 1)
     assert_bitwise(partial, resident)
+
+
+def test_eager_only_int8_state_streams_larger_chunks_by_default():
+    """8-bit state never captured (cuda_graph=False) defaults to 512 MiB chunks, where each
+    step is bound by its launches; every other case keeps 128 MiB, and a given chunk_bytes
+    wins, through reconfigure too."""
+    p = [torch.nn.Parameter(torch.randn(3, 3))]
+    int8 = dict(offload=True, state_dtype=torch.int8)
+    assert Muon(p, **int8, cuda_graph=False).chunk_bytes == 512 << 20
+    for settings in (
+        dict(int8),
+        dict(offload=True, cuda_graph=False),
+        dict(offload=True, state_dtype=torch.bfloat16, cuda_graph=False),
+    ):
+        assert Muon(p, **settings).chunk_bytes == 128 << 20, settings
+    assert Settings.check(**int8, cuda_graph=True).chunk_bytes == 128 << 20  # CPU: no Muon
+    opt = Muon(p, **int8, cuda_graph=False, chunk_bytes=1 << 20)
+    assert opt.chunk_bytes == 1 << 20
+    opt.reconfigure(resident_chunk_bytes=1 << 30)
+    assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1 << 20, 1 << 30)
+    assert Muon(p, **int8, cuda_graph=False).resident_chunk_bytes == 512 << 20
 
 
 def test_bf16_state_dtype_offloaded_equals_resident():
