@@ -38,9 +38,12 @@ from torch import Tensor
 from ._capture import CaptureMiss, capturing
 from ._tables import (  # noqa: F401  (re-exported: the launchers import them from here)
     ALIGN_BYTES,
+    DTYPE,
+    SHAPE,
     TABLES,
     Memo,
     TableCache,
+    aligned_addresses,
     all_aligned,
     check_lists,
     chunk_rows,

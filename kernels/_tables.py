@@ -11,9 +11,12 @@ grouping by dtype, and the alignment a launch may promise the compiler."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import operator
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import reduce
 
 import numpy as np
 import torch
@@ -21,25 +24,28 @@ from torch import Tensor
 
 from ._capture import CaptureMiss, capturing
 
+SHAPE, DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")  # for ``map``
+
 # Address alignment (bytes) that the kernels may promise the compiler for 16-byte accesses.
 ALIGN_BYTES = 16
 
 
 def check_lists(names: Sequence[str], lists: Sequence[Sequence[Tensor]]) -> list[int]:
     """Validate parallel segment lists (same lengths and element counts, contiguous, one
-    device); return the segments' element counts. One pass of cheap attribute reads: this
-    runs on every step, for every chunk."""
+    device); return the segments' element counts. This runs on every step, for every chunk,
+    over hundreds of matrices: the attribute reads go through ``map`` (a loop in C), not a
+    Python loop a tensor."""
     count = len(lists[0])
-    numels = [t.numel() for t in lists[0]]
+    numels = list(map(Tensor.numel, lists[0]))
     devices = set()
     for name, tensors in zip(names, lists, strict=True):
         if len(tensors) != count:
             raise ValueError(f"{name}: {len(tensors)} tensors, expected {count}")
-        if [t.numel() for t in tensors] != numels:
+        if tensors is not lists[0] and list(map(Tensor.numel, tensors)) != numels:
             raise ValueError(f"{name}: element counts differ from {names[0]}'s")
-        if not all(t.is_contiguous() for t in tensors):
+        if not all(map(Tensor.is_contiguous, tensors)):
             raise ValueError(f"{name}: every tensor must be contiguous")
-        devices.update(t.get_device() for t in tensors)
+        devices.update(map(Tensor.get_device, tensors))
     if len(devices) > 1:
         raise ValueError(f"tensors on several devices: {sorted(devices)}")
     return numels
@@ -138,4 +144,10 @@ class Memo(dict):
 
 
 def all_aligned(lists: Sequence[Sequence[Tensor]]) -> bool:
-    return all(t.data_ptr() % ALIGN_BYTES == 0 for tensors in lists for t in tensors)
+    return aligned_addresses(*(map(Tensor.data_ptr, tensors) for tensors in lists))
+
+
+def aligned_addresses(*addresses: Iterable[int]) -> bool:
+    """Whether every address is a multiple of ``ALIGN_BYTES`` (a power of two): their OR, a
+    loop in C, has none of its low bits set."""
+    return not reduce(operator.or_, itertools.chain(*addresses), 0) & (ALIGN_BYTES - 1)

@@ -23,7 +23,9 @@ from torch import Tensor
 
 from ._grad_index import GradIndex, grad_index_for
 from ._launch import (
+    DTYPE,
     FP_FUSION,
+    SHAPE,
     TABLES,
     TUNER,
     Config,
@@ -173,7 +175,7 @@ def _muon_apply_kernel(
 def _table(name: str, tensors_lists: Sequence[Sequence[Tensor]], grad_rows=None) -> Tensor:
     """A batch's pointer table, one row a matrix; ``grad_rows``: a last column of rows of a
     gradient table (``GradIndex``) instead of addresses."""
-    cols = [[t.data_ptr() for t in ts] for ts in tensors_lists]
+    cols = [list(map(Tensor.data_ptr, ts)) for ts in tensors_lists]
     if grad_rows is not None:
         cols.append(grad_rows)
     ptrs = tuple(zip(*cols, strict=True))
@@ -188,6 +190,8 @@ def _check_matrices(names, lists) -> int:
         raise ValueError("empty batch")
     shape = lists[0][0].shape
     for name, tensors in zip(names, lists, strict=True):
+        if set(map(SHAPE, tensors)) == {shape} and len(set(map(DTYPE, tensors))) == 1:
+            continue  # the usual case, checked by loops in C; else find the first that differs
         for i, t in enumerate(tensors):
             if t.shape != shape or t.dtype != tensors[0].dtype:
                 raise ValueError(

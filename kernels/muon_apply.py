@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._launch import check_lists, check_scalars
+from ._launch import DTYPE, check_lists, check_scalars
 from ._triton import tl, triton
 
 
@@ -56,7 +56,8 @@ def check_apply(params: Sequence[Tensor], update: Tensor, scalars: Tensor) -> tu
         raise ValueError(f"update must be [{batch}, m, n], got {tuple(update.shape)}")
     rows, cols = update.shape[1], update.shape[2]
     device = params[0].device
-    for i, x in enumerate(params):
+    usual = set(map(Tensor.numel, params)) == {rows * cols} and len(set(map(DTYPE, params))) == 1
+    for i, x in enumerate(() if usual else params):  # the first that differs
         if x.numel() != rows * cols or x.dtype != params[0].dtype:
             raise ValueError(
                 f"params[{i}]: {x.numel()} elements of {x.dtype}, expected "

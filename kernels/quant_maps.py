@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._tables import DTYPE
 from ._triton import tl, triton
 
 QBLOCK = 256
@@ -289,31 +290,33 @@ def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
 def check_segments(params, grads, states) -> list[int]:
     """The segments' element counts, after checking them. ``states``: (name, codes, scales,
     map kind) per state. params, grads and each codes list: same element counts, contiguous,
-    one device; codes in the map's dtype; each scales list: fp32, one entry a block. One pass
-    of cheap attribute reads a list (devices by index, as ``_tables.check_lists``): this runs
-    for every unit of every step."""
-    numels = [t.numel() for t in params]
+    one device; codes in the map's dtype; each scales list: fp32, one entry a block. This runs
+    for every unit of every step: the attribute reads go through ``map`` (loops in C), as in
+    ``_tables.check_lists``, and only a failing list is walked in Python for its message."""
+    numels = list(map(Tensor.numel, params))
     where = params[0].get_device() if params else None
     lists = [("params", params), ("grads", grads)]
     lists += [(name, codes) for name, codes, _, _ in states if codes is not params]
     for name, tensors in lists:
-        if len(tensors) != len(numels) or [t.numel() for t in tensors] != numels:
+        if len(tensors) != len(numels) or list(map(Tensor.numel, tensors)) != numels:
             raise ValueError(f"{name}: segment count or element counts differ from params'")
-        if not all(t.is_contiguous() and t.get_device() == where for t in tensors):
+        if not all(map(Tensor.is_contiguous, tensors)) or set(map(Tensor.get_device, tensors)) - {
+            where
+        }:
             raise ValueError(f"{name}: every tensor must be contiguous and on {params[0].device}")
+    blocks = [-(-n // QBLOCK) for n in numels]
     for name, codes, scales, kind in states:
         dtype = CODE_DTYPES[kind]
         if len(scales) != len(codes):
             raise ValueError(f"{name}: {len(scales)} scales lists for {len(codes)} codes")
-        if all(
-            c.dtype == dtype
-            and s.dtype == torch.float32
-            and s.numel() == -(-n // QBLOCK)
-            and s.is_contiguous()
-            and s.get_device() == where
-            for c, s, n in zip(codes, scales, numels, strict=True)
+        if (
+            set(map(DTYPE, codes)) == {dtype}
+            and set(map(DTYPE, scales)) == {torch.float32}
+            and list(map(Tensor.numel, scales)) == blocks
+            and all(map(Tensor.is_contiguous, scales))
+            and set(map(Tensor.get_device, scales)) == {where}
         ):
-            continue
+            continue  # the usual case, checked by loops in C
         for i, (c, s) in enumerate(zip(codes, scales, strict=True)):  # the first that fails
             if c.dtype != dtype:
                 raise ValueError(f"{name}[{i}] is {c.dtype}, expected {dtype}")

@@ -15,10 +15,10 @@ from torch import Tensor
 
 from ._grad_index import GradIndex, grad_index_for
 from ._launch import (
-    ALIGN_BYTES,
     TABLES,
     TUNER,
     Config,
+    aligned_addresses,
     bench_ms,
     cdiv,
     dtype_name,
@@ -139,12 +139,11 @@ def _row_sum_kernel(partial, out, chunks, BLOCK: tl.constexpr):
 def _prep8_launch(m_codes, m_scales, grads, index, mu, nesterov, out, partial, config) -> None:
     batch, numel = len(m_codes), m_codes[0].numel()
     chunks = partial.shape[1]
-    lists = (m_codes, m_scales, grads)
-    ptrs = tuple(tuple(t.data_ptr() for t in ts) for ts in zip(*lists, strict=True))
-    aligned = all(p[0] % ALIGN_BYTES == 0 and p[2] % ALIGN_BYTES == 0 for p in ptrs)
+    codes = list(map(Tensor.data_ptr, m_codes))
+    aligned = aligned_addresses(codes, map(Tensor.data_ptr, grads))
     grad_table, grad_rows = grad_index_for(grads, index)
     # The table holds the gradients' rows of grad_table, not their addresses.
-    ptrs = tuple((mc, ms, row) for (mc, ms, _), row in zip(ptrs, grad_rows, strict=True))
+    ptrs = tuple(zip(codes, map(Tensor.data_ptr, m_scales), grad_rows, strict=True))
     device = grads[0].device
     table = TABLES.get(("muon_prep8", device, ptrs), lambda: np.array(ptrs, np.int64), device)
     _prep8_kernel[(chunks, batch)](

@@ -106,6 +106,44 @@ def test_rejects_mismatched_batch(device):
         muon_apply_(m, randn((2, 4, 4), BF16, device), lr=0.1, weight_decay=0, adjusted_lr=0.1)
 
 
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        ("grad shape", r"grads\[3\] is torch.float32 \(2, 8\), expected torch.float32 \(4, 4\)"),
+        ("momentum dtype", r"momentums\[3\] is torch.bfloat16 \(4, 4\), expected torch.float32"),
+        ("strided grad", "grads: every tensor must be contiguous"),
+        ("param size", r"params\[3\]: 20 elements of torch.float32, expected 16"),
+        (
+            "param dtype",
+            r"params\[3\]: 16 elements of torch.bfloat16, expected 16 of torch.float32",
+        ),
+    ],
+)
+def test_a_bad_matrix_in_a_batch_is_named(spoil, message):
+    """The checks of a batch find its one bad matrix (here the fourth of six) and name it,
+    before anything is written."""
+    m = [torch.randn(4, 4) for _ in range(6)]
+    g = [torch.randn(4, 4) for _ in range(6)]
+    p = [torch.randn(4, 4) for _ in range(6)]
+    if spoil == "grad shape":
+        g[3] = torch.randn(2, 8)  # as many elements, another shape
+    elif spoil == "momentum dtype":
+        m[3] = m[3].to(BF16)
+    elif spoil == "strided grad":
+        g[3] = torch.randn(4, 8)[:, ::2]
+    elif spoil == "param size":
+        p[3] = torch.randn(4, 5)
+    elif spoil == "param dtype":
+        p[3] = p[3].to(BF16)
+    before = [t.clone() for t in (*m, *p)]
+    with pytest.raises(ValueError, match=message):
+        if spoil.startswith("param"):
+            muon_apply_(p, torch.randn(6, 4, 4).to(BF16), lr=0.1, weight_decay=0, adjusted_lr=0.1)
+        else:
+            muon_prep(m, g, mu=0.9, nesterov=False)
+    assert all(torch.equal(a, b) for a, b in zip((*m, *p), before, strict=True))
+
+
 @pytest.mark.cuda
 def test_prep_autotune_applies_update_once(tmp_path, monkeypatch):
     """With an empty tuning cache every config is timed (on scratch copies): momentum is

@@ -104,3 +104,13 @@ def test_tma_launch_plan_gives_a_fresh_launch(monkeypatch, transposed):
             poly_apply_tma._launch_tma(gram, x, out, 1.5, poly_config, None, apply)
         runs.append([(g, _described(a), k) for g, a, k in recorder.launches])
     assert runs[0] == runs[1]
+
+
+def test_alignment_is_every_address_a_multiple_of_16_bytes():
+    from muon_offload.kernels._launch import aligned_addresses, all_aligned
+
+    base = torch.zeros(64)  # fp32: 4 bytes an element
+    assert all_aligned(([base, base[4:]], [base[8:]]))
+    assert not all_aligned(([base, base[4:]], [base[8:], base[1:]]))
+    assert aligned_addresses([0, 16, 4096], iter([32])) and not aligned_addresses([16], [8])
+    assert aligned_addresses()
