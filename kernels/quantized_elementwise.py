@@ -158,6 +158,8 @@ def _lion8_kernel(
     row, start, count, p_ptr, g_ptr = _segment(table, grads, 6, P_DTYPE, G_DTYPE, ALIGNED)
     mc_ptr, ms_ptr = _state_ptrs(row, 2, tl.int8, start, ALIGNED)
     hyper = _lion_hyper(scalars)
+    # The tile takes a second moment's pair (AdamW's v) too; ADAMW=False never reads it, so
+    # the momentum's pair stands in for it.
     _step8_chunk(
         (p_ptr, g_ptr, mc_ptr, ms_ptr, mc_ptr, ms_ptr), count, hyper, BLOCK, CAUTIOUS, False
     )
