@@ -105,9 +105,7 @@ OURS = {
 # Twins of graphed modes with ``cuda_graph=False``: every step eager, as a first step, a
 # closure or a changed set of gradients runs; their host ms is what the host takes to issue it.
 EAGER = {
-    "ours_resident_eager": "ours_resident",
-    "ours_offload_int8_eager": "ours_offload_int8",
-    "ours_offload_int8_512mib_eager": "ours_offload_int8_512mib",
+    f"{m}_eager": m for m in ("ours_resident", "ours_offload_int8", "ours_offload_int8_512mib")
 }
 MOE = dict(
     vocab_size=32000,
