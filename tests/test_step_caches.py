@@ -236,9 +236,13 @@ def test_stack_storage_replaced(offload, state_dtype):
     _step_matches_fresh(opt)
 
 
-def test_steady_resident_step_cuts_only_the_gradients():
+@OFFLOAD
+@pytest.mark.parametrize("state_dtype", [None, torch.int8])
+def test_steady_step_cuts_only_the_gradients(offload, state_dtype):
     """After the first step only the gradients (new every step) are cut into matrices: the
-    parameters' and the momentum's matrices are kept with the plan."""
+    parameters' and the momentum's matrices (8-bit: with their rows of scales) are kept, with the
+    plan where the state is resident, with the chunk's staging views where it is streamed;
+    the steps stay bitwise those of an optimizer that keeps nothing."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Unbinds(TorchDispatchMode):
@@ -248,13 +252,19 @@ def test_steady_resident_step_cuts_only_the_gradients():
             self.count += func.overloadpacket is torch.ops.aten.unbind
             return func(*args, **(kwargs or {}))
 
+    kw = {} if state_dtype is None else dict(state_dtype=state_dtype)
     params = _params(STACKS)
-    opt = _muon(params, False)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, fresh = _muon(params, offload, **kw), _muon(twin, offload, **kw)
     counts = []
     for s in range(3):
         _grads(params, s)
+        _grads(twin, s)
         with Unbinds() as unbinds:
             opt.step()
         counts.append(unbinds.count)
+        fresh._plans.clear()  # a new plan: new units, new staging views, nothing kept
+        fresh.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, twin, strict=True))
     stacks = sum(p.ndim == 3 for p in params)
     assert counts == [3 * stacks, stacks, stacks]  # parameter, gradient, momentum; then one

@@ -113,8 +113,9 @@ class UnitJob:
     # A resident unit's dict for the life of its plan (``chunks.UnitLayout``): where the
     # algorithm keeps what it derives from the unit's parameters and state between steps,
     # checked against them at each use (a parameter's storage may be replaced under a plan).
-    # None for a streamed unit (a kept view of staging would hold an arena that a larger
-    # plan replaces) and outside a step: nothing is kept.
+    # A streamed unit's lives with its chunk's staging views (``StreamScheduler.chunk_memo``:
+    # emptied when they change, so that nothing kept holds an arena a larger plan replaced).
+    # None outside a step and where the step updates copies of its parameters.
     memo: dict | None = None
 
 

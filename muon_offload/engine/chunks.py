@@ -191,6 +191,7 @@ def _job(
     tensors: Sequence[Tensor] | None,
     scalars: Tensor | None,
     grad_index: GradIndex | None,
+    memo: dict | None = None,
 ) -> UnitJob:
     targets = u.params
     if ctx.copies:  # where the update goes: a copy for a parameter that is not contiguous
@@ -227,7 +228,7 @@ def _job(
         scalars=scalars,
         plain=u.plain,
         grad_index=grad_index,
-        memo=u.memo if tensors is None and not ctx.copies else None,
+        memo=None if ctx.copies else u.memo if tensors is None else memo,
     )
 
 
@@ -238,14 +239,17 @@ def run_chunk(
     progress: tuple[list[int], list[int]],
     scalars: Sequence[Tensor] | None = None,
     grads: Sequence[GradIndex] | None = None,
+    memo: dict | None = None,
 ) -> None:
     """Run every unit of a chunk on its state (``views``: the staging copies of a streamed
     chunk; None: resident state, updated in place), recording in ``progress`` = (started,
     finished) the index of each unit as it starts and as it finishes. ``scalars``: each
     unit's row of the step's scalar table (Triton path), or None; ``grads``: each unit's
-    rows of the step's gradient table (``grad_table.py``), or None. Units run as dion-style
-    tasks, so one unit's collective is in flight while the next computes; the planner puts
-    matrix units first, in the same order on every rank."""
+    rows of the step's gradient table (``grad_table.py``), or None; ``memo``: where a streamed
+    chunk's units keep what they derive from ``views`` (``StreamScheduler.chunk_memo``, a dict
+    a unit), or None. Units run as dion-style tasks, so one unit's collective is in flight
+    while the next computes; the planner puts matrix units first, in the same order on every
+    rank."""
     units = layout.units
     started, done = progress
 
@@ -254,7 +258,8 @@ def run_chunk(
         unit = units[k]
         row = None if scalars is None else scalars[k]
         index = None if grads is None else grads[k]
-        running = unit.algorithm.run(_job(ctx, unit, views, row, index))
+        kept = None if memo is None else memo.setdefault(k, {})
+        running = unit.algorithm.run(_job(ctx, unit, views, row, index, kept))
         if running is not None:
             yield from running
         done.append(k)

@@ -255,7 +255,7 @@ class ChunkedOptimizer(Optimizer):
         counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
         slots, counts, classes = self._counts.for_step(which(work), work.params, counted)
         plan, transfers, layouts, side = self._plan(work, hypers, classes)
-        self._streams.for_step(device)
+        sched = self._streams.for_step(device)
         steps = [g["step"] + 1 for g in self.param_groups]
         # The kernels' scalars (this step's counts) on the device, before the counts advance.
         self._scalars = scalar_table(self._scalars, self.algorithms, self.backend, device)
@@ -271,9 +271,9 @@ class ChunkedOptimizer(Optimizer):
         )
 
         def update(i: int, views: Sequence[Tensor] | None) -> None:
-            run_chunk(
-                ctx, layouts[i], views, progress[i], rows and rows[i], grad_rows and grad_rows[i]
-            )
+            memo = None if views is None else sched.chunk_memo(i)
+            row, grads = rows and rows[i], grad_rows and grad_rows[i]
+            run_chunk(ctx, layouts[i], views, progress[i], row, grads, memo)
 
         try:
             first_compile.before(self, ctx, layouts, rows, device)  # new kernels: in parallel

@@ -136,6 +136,8 @@ class StreamScheduler:
         self._sizes: list[int] = []
         self._layout: ArenaLayout | None = None
         self._view_cache: dict[int, tuple[tuple[Tensor, ...], tuple]] = {}
+        # What the algorithms keep of a chunk's views between runs (``chunk_memo``).
+        self._memos: dict[int, dict] = {}
         # One (loaded, updated, stored) event each a streamed chunk, grown with the plans.
         self._loaded: list = []
         self._updated: list = []
@@ -168,6 +170,7 @@ class StreamScheduler:
             # whichever stream ran them).
             torch.cuda.synchronize(self.device)
         self._view_cache.clear()  # its views hold the old arena
+        self._memos.clear()
         self._layout = None
         self._arena = None  # freed before the new one is taken
         self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
@@ -191,6 +194,7 @@ class StreamScheduler:
             self._sizes = [transfers[i].nbytes for i in self._streamed]
             self._layout = None
             self._view_cache.clear()
+            self._memos.clear()
         self.reserve(max(self._sizes, default=0), len(self._sizes))
         if self._layout is None:
             lanes = [self._on_side[i] for i in self._streamed]
@@ -208,6 +212,12 @@ class StreamScheduler:
     def layout(self) -> ArenaLayout | None:
         """The arena layout of the last prepared ``transfers``."""
         return self._layout
+
+    def chunk_memo(self, chunk: int) -> dict:
+        """A dict for the chunk's units to keep what they derive from its views (matrices cut
+        from them: ``UnitJob.memo``), as long as the views stay the same: emptied with them,
+        so that nothing kept holds an arena that a new one replaced."""
+        return self._memos.setdefault(chunk, {})
 
     def _staged(self, chunk: int) -> tuple[tuple[Tensor, ...], tuple]:
         """The chunk's tensor views and (host bytes, arena bytes) of each run in the arena,
