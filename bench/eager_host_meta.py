@@ -6,8 +6,8 @@ skipped, the CUDA paths taken), as bench/tuning_keys.py runs a first step.
     PYTHONPATH=. python bench/eager_host_meta.py --models moe dense [--steps 5] [--profile]
 
 For each model and mode (resident, offloaded int8 and fp32: training_loop.py's ``OURS``, the
-offloaded ones as ``tuning_keys.as_streamed``: their chunks and launches, without the host
-copies) it prints the median and fastest wall milliseconds of a steady step (after four: the
+offloaded ones as ``tuning_keys.as_streamed``: their chunks and launches at the chunk size an
+eager step gets by default, 512 MiB for 8-bit state, without the host copies) it prints the median and fastest wall milliseconds of a steady step (after four: the
 last two with the configs the H200's shipped table gives, so the products take the TMA
 kernels and their descriptors where a card would), the Triton launches and the aten ops a
 step issues (each a kernel launch, a copy or a view on a GPU), the Python share of the time
@@ -108,7 +108,8 @@ def _in_kernels(stats: dict) -> float:
 def measure(model, settings: dict, steps: int, profile: bool, table: str = TABLE) -> dict:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    opt = Muon(bench_groups(model), lr=MUON_LR, backend="triton", cuda_graph=False, **settings)
+    settings = dict(settings, cuda_graph=False)
+    opt = Muon(bench_groups(model), lr=MUON_LR, backend="triton", **settings)
     with tuning.recording_keys(), counted_launches() as launches:
         for _ in range(2):  # first-step work: plans, tables, caches
             opt.step()
@@ -152,7 +153,7 @@ def run(kind: str, mode: str, layers: int | None, steps: int, profile: bool = Fa
     tensors, with the settings of ``mode`` (``OURS``)."""
     cfg = config(kind, SimpleNamespace(tiny=False, layers=layers, seq=1024))
     model = build_model(cfg, 0, torch.device("meta"), torch.float32)
-    return measure(model, as_streamed(OURS[mode]), steps, profile)
+    return measure(model, as_streamed(dict(OURS[mode], cuda_graph=False)), steps, profile)
 
 
 def estimate(row: dict, launch_us: float, op_us: float) -> float:

@@ -30,19 +30,22 @@ from training_loop import MODELS, OURS, config
 from transformers_step import MUON_LR, bench_groups, build_model
 
 from muon_offload import Muon
-from muon_offload.engine.settings import DEFAULT_CHUNK_BYTES
+from muon_offload.engine.settings import default_chunk_bytes
 
 TABLE = "tune-NVIDIA_H200-triton3.6.0.json"
 
 
 def as_streamed(settings: dict) -> dict:
     """``settings`` with the state resident, cut into chunks as ``offload=True`` streams it
-    (``chunk_bytes``): the same units and chunks, so the same launches and keys
+    (``chunk_bytes``, by default as ``Settings`` derives it from the state dtype and
+    ``cuda_graph``): the same units and chunks, so the same launches and keys
     (tests/test_bench_tuning_keys.py checks it), without host state, which meta tensors
     cannot be carved from."""
     if not settings.get("offload"):
         return settings
-    chunk_bytes = settings.get("chunk_bytes", DEFAULT_CHUNK_BYTES)
+    chunk_bytes = settings.get("chunk_bytes") or default_chunk_bytes(
+        settings.get("state_dtype"), settings.get("cuda_graph", "auto")
+    )
     rest = {k: v for k, v in settings.items() if k not in ("offload", "chunk_bytes")}
     return dict(rest, offload=False, resident_chunk_bytes=chunk_bytes)
 
