@@ -121,7 +121,8 @@ def table(rows: dict) -> str:
 
 def eager_lines(rows: dict, twins: dict[str, str]) -> list[str]:
     """For each eager mode run (``twins``: eager mode -> its graphed one), the host time to
-    issue its step against the step's GPU time (on the CPU, its host time: a ratio of 1), and
+    issue its step (median, and its range over the iterations: a host's pace moves between
+    runs and iterations) against the step's GPU time (on the CPU, its host time: a ratio of 1), and
     against its graphed twin's GPU time (the same work, no launch issued by the host)."""
     lines = []
     for name, twin in twins.items():
@@ -130,8 +131,11 @@ def eager_lines(rows: dict, twins: dict[str, str]) -> list[str]:
             continue
         graphed = rows.get(twin, {})
         over_graphed = ratio(r["median_host_ms"], graphed.get("median_step_ms"))
+        spread = (
+            f" ({min(r['host_ms']):.2f} to {max(r['host_ms']):.2f})" if r.get("host_ms") else ""
+        )
         lines.append(
-            f"{name}: host {r['median_host_ms']:.2f} ms to issue a step of "
+            f"{name}: host {r['median_host_ms']:.2f} ms{spread} to issue a step of "
             f"{r['median_step_ms']:.2f} ms on the device: {r['host_over_step']:.0%} "
             f"(graphed, {twin}: host {num(graphed.get('median_host_ms'), '.2f')} ms, "
             f"step {num(graphed.get('median_step_ms'), '.2f')} ms on the device: "
