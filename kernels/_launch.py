@@ -199,9 +199,10 @@ class Tuner:
         force: bool = False,
     ) -> Config:
         """``bench(config) -> ms`` must run on scratch tensors (it is called once per config)."""
-        if interpreted() or device.type != "cuda":
+        if device.type != "cuda" or interpreted():
             return interpreter_config
-        if not autotune_enabled() and not force:
+        # autotune_enabled() without reading TRITON_INTERPRET again: this runs per launch.
+        if not force and os.environ.get("MUON_OFFLOAD_AUTOTUNE", "1") == "0":
             return configs[0]
         if len(configs) == 1 and not (force or self.retune):
             return configs[0]  # nothing to choose: neither timed nor compiled for a timing
