@@ -110,9 +110,10 @@ def test_resident_chunks_take_their_own_budget():
 
 
 def test_eager_only_int8_state_streams_larger_chunks_by_default():
-    """8-bit state never captured (cuda_graph=False) defaults to 512 MiB chunks, where each
-    step is bound by its launches; every other case keeps 128 MiB, and a given chunk_bytes
-    wins, through reconfigure too."""
+    """Muon with 8-bit state never captured (cuda_graph=False) defaults to 512 MiB chunks,
+    where each step is bound by its launches (17 a Muon unit); every other case keeps 128 MiB
+    (AdamW alone: a chunk is one launch, larger ones would only take more staging), and a
+    given chunk_bytes wins, through reconfigure too."""
     p = [torch.nn.Parameter(torch.randn(3, 3))]
     int8 = dict(offload=True, state_dtype=torch.int8)
     assert Muon(p, **int8, cuda_graph=False).chunk_bytes == 512 << 20
@@ -122,6 +123,7 @@ def test_eager_only_int8_state_streams_larger_chunks_by_default():
         dict(offload=True, state_dtype=torch.bfloat16, cuda_graph=False),
     ):
         assert Muon(p, **settings).chunk_bytes == 128 << 20, settings
+    assert AdamW(p, **int8, cuda_graph=False).chunk_bytes == 128 << 20
     assert Settings.check(**int8, cuda_graph=True).chunk_bytes == 128 << 20  # CPU: no Muon
     opt = Muon(p, **int8, cuda_graph=False, chunk_bytes=1 << 20)
     assert opt.chunk_bytes == 1 << 20

@@ -98,7 +98,11 @@ class ChunkedOptimizer(Optimizer):
         distributed_mesh=None,
         **settings,  # offload, chunk_bytes, ...: Settings.check's, with its defaults
     ):
-        settings = Settings.check(**settings, backends=common_backends(self.algorithms.values()))
+        algorithms = self.algorithms.values()
+        batches = any(not a.elementwise for a in algorithms)
+        settings = Settings.check(
+            **settings, backends=common_backends(algorithms), batches_matrices=batches
+        )
         mesh = resolve_mesh(distributed_mesh)
         capture_rules.check_settings(settings, mesh.group, self.algorithms.values())
         # As torch's optimizers: the hyper-parameters are checked before params is read.

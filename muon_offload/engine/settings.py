@@ -38,7 +38,7 @@ SETTINGS_DOC = f"""
         offload: keep optimizer state in pinned host memory and stream it through the GPU in
             chunks during ``step()``.
         chunk_bytes: state bytes per chunk (default {DEFAULT_CHUNK_BYTES >> 20} MiB; with 8-bit
-            state and ``cuda_graph=False``, {DEFAULT_EAGER_INT8_CHUNK_BYTES >> 20} MiB: steps
+            state, Muon and ``cuda_graph=False``, {DEFAULT_EAGER_INT8_CHUNK_BYTES >> 20} MiB: steps
             issued eagerly are bound by their launches, and larger chunks need fewer).
         resident_bytes: with offload, this much state stays on the GPU (default 0).
         resident_chunk_bytes: state bytes updated together where none is streamed (resident
@@ -60,9 +60,13 @@ SETTINGS_DOC = f"""
 """
 
 
-def default_chunk_bytes(state_dtype: torch.dtype | None, cuda_graph: bool | str) -> int:
-    """``chunk_bytes`` when none is given (the constants' comments say why)."""
-    if state_dtype == torch.int8 and cuda_graph is False:
+def default_chunk_bytes(
+    state_dtype: torch.dtype | None, cuda_graph: bool | str, batches_matrices: bool = True
+) -> int:
+    """``chunk_bytes`` when none is given (the constants' comments say why). Larger eager
+    chunks pay where units are many launches each (batches of matrices); an element-wise
+    chunk is one launch, and larger ones would only take more staging memory."""
+    if state_dtype == torch.int8 and cuda_graph is False and batches_matrices:
         return DEFAULT_EAGER_INT8_CHUNK_BYTES
     return DEFAULT_CHUNK_BYTES
 
@@ -122,10 +126,12 @@ class Settings:
         cuda_graph: bool | str = "auto",
         prefetch: bool = True,
         backends: Sequence[str] = BACKENDS,
+        batches_matrices: bool = False,
     ) -> Settings:
         """The constructors' settings (``SETTINGS_DOC``), their defaults here alone.
         ``backends``: the ``backend`` settings every algorithm's launchers take
-        (``algorithm.common_backends``)."""
+        (``algorithm.common_backends``); ``batches_matrices``: some algorithm updates batches
+        of whole matrices (Muon), whose eager steps want larger chunks."""
         # "no" or 0.0 would read as a truth value; say what is wanted instead.
         if not isinstance(offload, bool):
             raise ValueError(f"offload must be True or False, got {offload!r}")
@@ -134,7 +140,7 @@ class Settings:
         if not isinstance(prefetch, bool):
             raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
         if chunk_bytes is None:
-            chunk_bytes = default_chunk_bytes(state_dtype, cuda_graph)
+            chunk_bytes = default_chunk_bytes(state_dtype, cuda_graph, batches_matrices)
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
         if resident_chunk_bytes is None:
             resident_chunk_bytes = max(chunk_bytes, DEFAULT_RESIDENT_CHUNK_BYTES)
