@@ -7,15 +7,16 @@ skipped, the CUDA paths taken), as bench/tuning_keys.py runs a first step.
 
 For each model and mode (resident, offloaded int8 and fp32: training_loop.py's ``OURS``, the
 offloaded ones as ``tuning_keys.as_streamed``: their chunks and launches at the chunk size an
-eager step gets by default, 512 MiB for 8-bit state, without the host copies) it prints the median and fastest wall milliseconds of a steady step (after four: the
-last two with the configs the H200's shipped table gives, so the products take the TMA
-kernels and their descriptors where a card would), the Triton launches and the aten ops a
-step issues (each a kernel launch, a copy or a view on a GPU), the Python share of the time
-(outside torch's own calls) and the share under the launchers of ``kernels/`` and Triton.
-An estimate of the step's host time on a GPU adds a cost per launch to the fastest step's
-Python: ``--launch-us`` per Triton launch, ``--op-us`` per aten op (meta ops cost what their
-shape functions do, not a CUDA launch, so they are not timed here). Host figures of this
-machine: nothing here is a GPU measurement; training_loop.py's ``*_eager`` modes measure it.
+eager step gets by default, 512 MiB for 8-bit state, without the host copies) it prints the
+median and fastest wall milliseconds of a steady step (after four: the last two with the
+configs the H200's shipped table gives, so the products take the TMA kernels and their
+descriptors where a card would), the Triton launches and the aten ops a step issues (each a
+kernel launch, a copy or a view on a GPU), the Python share of the time (outside torch's own
+calls) and the share under the launchers of ``kernels/`` and Triton. An estimate of the step's
+host time on a GPU adds a cost per launch to the fastest step's Python: ``--launch-us`` per
+Triton launch, ``--op-us`` per aten op (meta ops cost what their shape functions do, not a CUDA
+launch, so they are not timed here). Host figures of this machine: nothing here is a GPU
+measurement; training_loop.py's ``*_eager`` modes measure it.
 """
 
 from __future__ import annotations
