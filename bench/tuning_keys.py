@@ -44,8 +44,8 @@ def as_streamed(settings: dict) -> dict:
     if not settings.get("offload"):
         return settings
     chunk_bytes = settings.get("chunk_bytes") or default_chunk_bytes(
-        settings.get("state_dtype"), settings.get("cuda_graph", "auto")
-    )
+        settings.get("state_dtype"), settings.get("cuda_graph", "auto"), batches_matrices=True
+    )  # Muon's
     rest = {k: v for k, v in settings.items() if k not in ("offload", "chunk_bytes")}
     return dict(rest, offload=False, resident_chunk_bytes=chunk_bytes)
 

@@ -75,8 +75,13 @@ def launches_only_compile() -> bool:
     return getattr(AHEAD, "on", False)
 
 
+def autotune_switched_on() -> bool:
+    """``MUON_OFFLOAD_AUTOTUNE`` is not "0" (read per call)."""
+    return os.environ.get("MUON_OFFLOAD_AUTOTUNE", "1") != "0"
+
+
 def autotune_enabled() -> bool:
-    return os.environ.get("MUON_OFFLOAD_AUTOTUNE", "1") != "0" and not interpreted()
+    return autotune_switched_on() and not interpreted()
 
 
 # Grid axis 1 (the batch) holds at most this many programs: larger batches launch in slices.
@@ -201,8 +206,8 @@ class Tuner:
         """``bench(config) -> ms`` must run on scratch tensors (it is called once per config)."""
         if device.type != "cuda" or interpreted():
             return interpreter_config
-        # autotune_enabled() without reading TRITON_INTERPRET again: this runs per launch.
-        if not force and os.environ.get("MUON_OFFLOAD_AUTOTUNE", "1") == "0":
+        # autotune_enabled(), TRITON_INTERPRET not read again: this runs per launch.
+        if not force and not autotune_switched_on():
             return configs[0]
         if len(configs) == 1 and not (force or self.retune):
             return configs[0]  # nothing to choose: neither timed nor compiled for a timing

@@ -104,7 +104,7 @@ class ChunkedOptimizer(Optimizer):
             **settings, backends=common_backends(algorithms), batches_matrices=batches
         )
         mesh = resolve_mesh(distributed_mesh)
-        capture_rules.check_settings(settings, mesh.group, self.algorithms.values())
+        capture_rules.check_settings(settings, mesh.group, algorithms)
         # As torch's optimizers: the hyper-parameters are checked before params is read.
         self._read_hyper(dict(defaults, params=[]), None)
         self._setup(settings, mesh)

@@ -61,7 +61,7 @@ SETTINGS_DOC = f"""
 
 
 def default_chunk_bytes(
-    state_dtype: torch.dtype | None, cuda_graph: bool | str, batches_matrices: bool = True
+    state_dtype: torch.dtype | None, cuda_graph: bool | str, batches_matrices: bool
 ) -> int:
     """``chunk_bytes`` when none is given (the constants' comments say why). Larger eager
     chunks pay where units are many launches each (batches of matrices); an element-wise
