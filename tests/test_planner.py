@@ -69,6 +69,14 @@ def _piece_bytes(p, piece):
     return p.plan_bytes * piece.stop // p.matrices - p.plan_bytes * piece.start // p.matrices
 
 
+def _first_matrix_bytes(p, piece):
+    """The plan bytes of the first matrix of a matrix item: its whole where it cannot be cut."""
+    if p.matrices <= 1:
+        return p.plan_bytes
+    first = 0 if piece is None else piece.start
+    return p.plan_bytes * (first + 1) // p.matrices - p.plan_bytes * first // p.matrices
+
+
 def _covers_exactly(ranges, end):
     """[start, stop) ranges that cover [0, end) once each, without gap or overlap."""
     pos = 0
@@ -82,6 +90,7 @@ def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
     by_index = {p.index: p for p in params}
     matrix_seen = {p.index: [] for p in params if not p.elementwise}
     covered = {p.index: [] for p in params if p.elementwise}
+    last_unit = {}  # per bucket (group, batch key, resident): its latest matrix unit
     for chunk in plan.chunks:
         assert chunk.plan_bytes == sum(u.plan_bytes for u in chunk.units)
         budget = chunk_bytes
@@ -109,10 +118,15 @@ def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
                 assert unit.plan_bytes == sum(map(_piece_bytes, members, pieces))
                 assert {m.algorithm for m in members} == {unit.algorithm}
                 for m, piece in zip(members, pieces, strict=True):
-                    # Cut only a stack that does not fit the budget whole.
-                    assert piece is None or (m.matrices > 1 and m.plan_bytes > budget)
+                    assert piece is None or m.matrices > 1  # only a stack is cut
                     whole = (0, m.matrices)
                     matrix_seen[m.index].append(whole if piece is None else astuple(piece))
+                bucket = (unit.group, members[0].batch_key, chunk.resident)
+                last = last_unit.get(bucket)
+                # Units are full: the one before had no room for this one's first matrix.
+                if last is not None:
+                    assert last.plan_bytes + _first_matrix_bytes(members[0], pieces[0]) > budget
+                last_unit[bucket] = unit
             else:
                 assert isinstance(unit, ElementwiseUnit)
                 for seg in unit.segments:
@@ -191,15 +205,27 @@ def _stack(index, shape, resident=False, group=0):
     )
 
 
-def test_moe_stack_over_budget_is_cut_at_matrix_boundaries_into_even_pieces():
-    """48 experts of 1024 x 1024 (192 MiB of fp32 momentum) against 128 MiB chunks: two
-    pieces of 24 matrices, each within budget, instead of one 192 MiB chunk whose load
-    nothing overlaps; nothing is reported oversized."""
-    stack = _stack(0, (48, 1024, 1024))
-    plan = _plan([stack], 128 << 20)
-    _check_plan([stack], plan, 128 << 20)
-    assert [[astuple(p) for p in u.pieces] for u in plan.units()] == [[(0, 24)], [(24, 48)]]
-    assert all(c.plan_bytes <= 128 << 20 for c in plan.chunks) and plan.oversized == ()
+def test_moe_stacks_are_cut_at_matrix_boundaries_to_fill_their_units():
+    """Two layers of 48 experts of 1024 x 1024 (192 MiB of fp32 momentum each) against
+    128 MiB chunks: units of 32 matrices, the second holding the first stack's last 16 and
+    the second's first 16, each within budget (no 192 MiB chunk whose load nothing overlaps),
+    three batches where pieces of whole-stack units took four; nothing is oversized."""
+    stacks = [_stack(0, (48, 1024, 1024)), _stack(1, (48, 1024, 1024))]
+    plan = _plan(stacks, 128 << 20)
+    _check_plan(stacks, plan, 128 << 20)
+    units = [(u.params, [astuple(p) for p in u.pieces]) for u in plan.units()]
+    assert units == [((0,), [(0, 32)]), ((0, 1), [(32, 48), (0, 16)]), ((1,), [(16, 48)])]
+    assert [c.plan_bytes for c in plan.chunks] == [128 << 20] * 3 and plan.oversized == ()
+
+
+def test_stack_that_fits_a_fresh_unit_is_cut_to_fill_the_one_before():
+    """Resident budgets of 512 MiB and the MoE expert stacks (192 MiB each): 2.67 stacks a
+    unit, 6 units for 16 stacks (8 when each stack stayed whole)."""
+    stacks = [_stack(i, (48, 1024, 1024), resident=True) for i in range(16)]
+    plan = _plan(stacks, 512 << 20)
+    _check_plan(stacks, plan, 512 << 20)
+    assert len(plan.units()) == 6
+    assert [u.plan_bytes for u in plan.units()] == [512 << 20] * 6
 
 
 @pytest.mark.parametrize("resident", [False, True])
