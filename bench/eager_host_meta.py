@@ -7,7 +7,7 @@ skipped, the CUDA paths taken), as bench/tuning_keys.py runs a first step.
 
 For each model and mode (resident, offloaded int8 and fp32: training_loop.py's ``OURS``, the
 offloaded ones as ``tuning_keys.as_streamed``: their chunks and launches at the chunk size an
-eager step gets by default, 512 MiB for 8-bit state, without the host copies) it prints the
+eager step gets by default, 1 GiB for 8-bit state, without the host copies) it prints the
 median and fastest wall milliseconds of a steady step (after four: the last two with the
 configs the H200's shipped table gives, so the products take the TMA kernels and their
 descriptors where a card would), the Triton launches and the aten ops a step issues (each a

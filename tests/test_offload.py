@@ -109,27 +109,34 @@ def test_resident_chunks_take_their_own_budget():
     assert_bitwise(partial, resident)
 
 
-def test_eager_only_int8_state_streams_larger_chunks_by_default():
-    """Muon with 8-bit state never captured (cuda_graph=False) defaults to 512 MiB chunks,
-    where each step is bound by its launches (17 a Muon unit); every other case keeps 128 MiB
-    (AdamW alone: a chunk is one launch, larger ones would only take more staging), and a
-    given chunk_bytes wins, through reconfigure too."""
+def test_eager_muon_takes_larger_chunks_by_default():
+    """Muon never captured (cuda_graph=False) defaults to 1 GiB resident chunks and, with
+    8-bit state, 1 GiB streamed ones, where each step is bound by its launches (17 a Muon
+    batch); every other case keeps 128 MiB streamed and 512 MiB resident (AdamW alone: a
+    chunk is one launch, larger ones would only take more staging; fp32 and bf16 state: bound
+    by the link), and a given budget wins, through reconfigure too."""
     p = [torch.nn.Parameter(torch.randn(3, 3))]
     int8 = dict(offload=True, state_dtype=torch.int8)
-    assert Muon(p, **int8, cuda_graph=False).chunk_bytes == 512 << 20
+    eager_int8 = Muon(p, **int8, cuda_graph=False)
+    assert (eager_int8.chunk_bytes, eager_int8.resident_chunk_bytes) == (1 << 30, 1 << 30)
+    assert Muon(p, cuda_graph=False).resident_chunk_bytes == 1 << 30
     for settings in (
         dict(int8),
         dict(offload=True, cuda_graph=False),
         dict(offload=True, state_dtype=torch.bfloat16, cuda_graph=False),
     ):
         assert Muon(p, **settings).chunk_bytes == 128 << 20, settings
-    assert AdamW(p, **int8, cuda_graph=False).chunk_bytes == 128 << 20
+    for settings in (dict(), dict(int8)):
+        assert Muon(p, **settings).resident_chunk_bytes == 512 << 20, settings
+    graphed = Settings.check(cuda_graph=True, batches_matrices=True)
+    assert (graphed.chunk_bytes, graphed.resident_chunk_bytes) == (128 << 20, 512 << 20)
+    adamw = AdamW(p, **int8, cuda_graph=False)
+    assert (adamw.chunk_bytes, adamw.resident_chunk_bytes) == (128 << 20, 512 << 20)
     assert Settings.check(**int8, cuda_graph=True).chunk_bytes == 128 << 20  # CPU: no Muon
-    opt = Muon(p, **int8, cuda_graph=False, chunk_bytes=1 << 20)
-    assert opt.chunk_bytes == 1 << 20
-    opt.reconfigure(resident_chunk_bytes=1 << 30)
-    assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1 << 20, 1 << 30)
-    assert Muon(p, **int8, cuda_graph=False).resident_chunk_bytes == 512 << 20
+    opt = Muon(p, **int8, cuda_graph=False, chunk_bytes=1 << 20, resident_chunk_bytes=1 << 29)
+    assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1 << 20, 1 << 29)
+    opt.reconfigure(resident_chunk_bytes=1 << 31)
+    assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1 << 20, 1 << 31)
 
 
 def test_bf16_state_dtype_offloaded_equals_resident():

@@ -18,13 +18,17 @@ from .algorithm import BACKENDS
 # The fastest offloaded step for fp32 state in the chunk-size sweep on the H200, within 1% of
 # the best for bf16 (docs/benchmarks.md, "Choosing chunk_bytes").
 DEFAULT_CHUNK_BYTES = 128 << 20
-# 8-bit state whose steps are never captured (cuda_graph=False): each step is as long as its
-# host takes to issue it, 17 launches a Muon unit, so fewer, larger units win there; a graph
-# replays launches at no host cost and overlaps more with smaller chunks. In the Qwen3-MoE
-# training loop on the H200 (docs/benchmarks.md, "Eager steps"), 512 MiB (at the fp32 width
-# Muon budgets 8-bit state at: 128 MiB of codes) cut the eager step from 126 to 58 ms and its
-# iteration from 0.429 to 0.355 s, while the graphed step was 1.7% slower at that size.
-DEFAULT_EAGER_INT8_CHUNK_BYTES = 512 << 20
+# Steps never captured (cuda_graph=False) of an algorithm that updates batches of whole
+# matrices (Muon): each step is as long as its host takes to issue it, 17 launches a Muon
+# batch, so fewer, larger batches win there; a graph replays launches at no host cost and
+# overlaps more with smaller chunks. Eager steps take this budget for their resident chunks
+# and, with 8-bit state, for their streamed ones (at the fp32 width Muon budgets 8-bit state
+# at: 256 MiB of codes); fp32 and bf16 state keep DEFAULT_CHUNK_BYTES, their steps bound by
+# the link. In the Qwen3-MoE training loop on the H200 (docs/benchmarks.md, "Eager steps"),
+# 512 MiB cut the eager 8-bit step from 126 to 58 ms and its iteration from 0.429 to 0.355 s
+# (the graphed step was 1.7% slower at that size); 1 GiB cut its launches from 258 to 139
+# and its host time further, for 0.4 GiB more peak memory.
+DEFAULT_EAGER_CHUNK_BYTES = 1 << 30
 # Resident state crosses no bus: its chunks only set how many matrices share a batch and a
 # launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
 # is the orthogonalizer's workspace, which scales with the batch.
@@ -38,13 +42,14 @@ SETTINGS_DOC = f"""
         offload: keep optimizer state in pinned host memory and stream it through the GPU in
             chunks during ``step()``.
         chunk_bytes: state bytes per chunk (default {DEFAULT_CHUNK_BYTES >> 20} MiB; with 8-bit
-            state, Muon and ``cuda_graph=False``, {DEFAULT_EAGER_INT8_CHUNK_BYTES >> 20} MiB: steps
+            state, Muon and ``cuda_graph=False``, {DEFAULT_EAGER_CHUNK_BYTES >> 20} MiB: steps
             issued eagerly are bound by their launches, and larger chunks need fewer).
         resident_bytes: with offload, this much state stays on the GPU (default 0).
         resident_chunk_bytes: state bytes updated together where none is streamed (resident
-            state: all of it without offload): default {DEFAULT_RESIDENT_CHUNK_BYTES >> 20} MiB,
-            or ``chunk_bytes`` if larger. It sets how many same-shape matrices are
-            orthogonalized in one batch.
+            state: all of it without offload): default {DEFAULT_RESIDENT_CHUNK_BYTES >> 20} MiB
+            ({DEFAULT_EAGER_CHUNK_BYTES >> 20} MiB for Muon with ``cuda_graph=False``), or
+            ``chunk_bytes`` if larger. It sets how many same-shape matrices are orthogonalized
+            in one batch.
         state_dtype: dtype of the state; None (default) keeps the parameter's dtype, as dion.
         backend: ``"auto"`` (Triton kernels on CUDA, torch elsewhere), ``"triton"``, ``"torch"``.
         cuda_graph: ``"auto"`` (default): capture the step as a CUDA graph once it is stable
@@ -67,8 +72,16 @@ def default_chunk_bytes(
     chunks pay where units are many launches each (batches of matrices); an element-wise
     chunk is one launch, and larger ones would only take more staging memory."""
     if state_dtype == torch.int8 and cuda_graph is False and batches_matrices:
-        return DEFAULT_EAGER_INT8_CHUNK_BYTES
+        return DEFAULT_EAGER_CHUNK_BYTES
     return DEFAULT_CHUNK_BYTES
+
+
+def default_resident_chunk_bytes(cuda_graph: bool | str, batches_matrices: bool) -> int:
+    """``resident_chunk_bytes`` when none is given, before ``chunk_bytes`` raises it: eager
+    steps of batched matrices take the larger budget (fewer launches), as their chunks do."""
+    if cuda_graph is False and batches_matrices:
+        return DEFAULT_EAGER_CHUNK_BYTES
+    return DEFAULT_RESIDENT_CHUNK_BYTES
 
 
 def as_int(name: str, value, minimum: int, what: str) -> int:
@@ -143,7 +156,9 @@ class Settings:
             chunk_bytes = default_chunk_bytes(state_dtype, cuda_graph, batches_matrices)
         chunk_bytes = check_positive_int("chunk_bytes", chunk_bytes)
         if resident_chunk_bytes is None:
-            resident_chunk_bytes = max(chunk_bytes, DEFAULT_RESIDENT_CHUNK_BYTES)
+            resident_chunk_bytes = max(
+                chunk_bytes, default_resident_chunk_bytes(cuda_graph, batches_matrices)
+            )
         resident_chunk_bytes = check_positive_int("resident_chunk_bytes", resident_chunk_bytes)
         if resident_bytes is not None:
             resident_bytes = as_int("resident_bytes", resident_bytes, 0, "an int >= 0 or None")
