@@ -10,6 +10,8 @@ import torch
 from _mixed_runs import assert_bitwise, mixed_run
 
 from muon_offload import AdamW, Muon
+from muon_offload.engine import planner, step_plans
+from muon_offload.engine import state as state_module
 from muon_offload.engine.settings import Settings
 
 SHAPES = [(24, 40), (24, 40), (40, 24), (24, 40), (3, 8, 12), (16, 16), (77,), (300,), (5,)]
@@ -137,6 +139,48 @@ def test_eager_muon_takes_larger_chunks_by_default():
     assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1 << 20, 1 << 29)
     opt.reconfigure(resident_chunk_bytes=1 << 31)
     assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1 << 20, 1 << 31)
+
+
+def test_eager_int8_muon_holds_elementwise_chunks_to_a_quarter_of_its_chunks():
+    """At the eager 8-bit default (1 GiB chunks, 256 MiB of Muon codes staged a chunk) an
+    AdamW group's 8-bit state, budgeted at its own width, streams in chunks of at most
+    256 MiB, so that a large one does not size the staging arena at 3 x 1 GiB; never below
+    128 MiB, and nothing changes for graphed steps, for other state and for AdamW alone. The
+    plans take it (``plan_step``'s ``elementwise_chunk_bytes``)."""
+    p = [torch.nn.Parameter(torch.randn(3, 3))]
+    int8 = dict(offload=True, state_dtype=torch.int8)
+    assert Muon(p, **int8, cuda_graph=False)._settings.now.elementwise_chunk_bytes == 256 << 20
+    explicit = Muon(p, **int8, cuda_graph=False, chunk_bytes=256 << 20)
+    assert explicit._settings.now.elementwise_chunk_bytes == 128 << 20
+    small = Muon(p, **int8, cuda_graph=False, chunk_bytes=1000)
+    assert small._settings.now.elementwise_chunk_bytes == 1000
+    for opt in (
+        Muon(p, **int8),
+        Muon(p, offload=True, cuda_graph=False, chunk_bytes=1 << 30),
+        AdamW(p, **int8, cuda_graph=False, chunk_bytes=1 << 30),
+    ):
+        assert opt._settings.now.elementwise_chunk_bytes == opt.chunk_bytes
+    explicit.reconfigure(chunk_bytes=2 << 30)  # the rule, not a value kept from before
+    assert explicit._settings.now.elementwise_chunk_bytes == 512 << 20
+
+
+def test_plans_take_the_settings_elementwise_budget(monkeypatch):
+    seen = []
+    real = planner.plan_step
+
+    def spy(params, *budgets):
+        seen.append(budgets)
+        return real(params, *budgets)
+
+    monkeypatch.setattr(step_plans, "plan_step", spy)
+    monkeypatch.setattr(state_module, "plan_step", spy)
+    init = _init(torch.float32, seed=5)
+    _, opt = _run(init, offload=True, state_dtype=torch.int8, cuda_graph=False)
+    now = opt._settings.now
+    assert seen and set(seen) == {
+        (now.chunk_bytes, now.resident_chunk_bytes, now.elementwise_chunk_bytes)
+    }
+    assert now.elementwise_chunk_bytes == 256 << 20
 
 
 def test_bf16_state_dtype_offloaded_equals_resident():

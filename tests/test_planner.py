@@ -171,6 +171,42 @@ def test_resident_and_streamed_parts_take_their_own_budgets(seed, budgets):
         assert [c for c in plan.chunks if c.resident == resident] == list(alone.chunks)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budgets", [(9000, 1000), (50_000, 9000), (50_000, 50_000), (100, 1)])
+def test_streamed_chunks_hold_at_most_the_elementwise_budget(seed, budgets):
+    """A streamed chunk holds at most ``elementwise_chunk_bytes`` of element-wise state (by
+    less than one aligned cut over it, as the chunk budget allows), and still within
+    ``chunk_bytes``; resident chunks stage nothing and keep their budget; without the
+    argument the plan is the one of ``elementwise_chunk_bytes == chunk_bytes``."""
+    chunk_bytes, elementwise = budgets
+    params = _random_params(random.Random(seed), resident_share=0.3)
+    plan = plan_step(params, chunk_bytes, chunk_bytes, elementwise)
+    _check_plan(params, plan, chunk_bytes)
+    per_elem = {p.index: -(-p.plan_bytes // max(p.numel, 1)) for p in params}
+    for chunk in plan.chunks:
+        units = [u for u in chunk.units if isinstance(u, ElementwiseUnit)]
+        held = sum(u.plan_bytes for u in units)
+        if not chunk.resident and held:
+            largest_cut = max(per_elem[s.param] for u in units for s in u.segments)
+            assert held <= max(elementwise, SEGMENT_ALIGN * largest_cut)
+    resident = [c for c in plan.chunks if c.resident]
+    assert resident == [c for c in _plan(params, chunk_bytes).chunks if c.resident]
+    assert _plan(params, chunk_bytes) == plan_step(params, chunk_bytes, chunk_bytes, chunk_bytes)
+
+
+def test_a_large_adamw_parameter_streams_in_elementwise_sized_chunks():
+    """A Muon stack of 1 GiB-budget size beside an AdamW embedding: the matrix chunk keeps
+    its budget, the embedding's state streams in chunks of the element-wise budget."""
+    stack = _stack(0, (8, 64, 64))  # 131,072 bytes of fp32-width state
+    emb = ParamInfo(1, 1, "adamw", 100_000, 200_000, resident=False, elementwise=True)
+    plan = plan_step([stack, emb], 131_072, 131_072, 32_768)
+    _check_plan([stack, emb], plan, 131_072)
+    sizes = [c.plan_bytes for c in plan.chunks]
+    assert sizes[0] == 131_072 and holds_matrices(plan.chunks[0])
+    assert all(n <= 32_768 for n in sizes[1:]) and sum(sizes[1:]) == 200_000
+    assert len(plan_step([stack, emb], 131_072, 131_072).chunks) == 3  # 131,072 + 68,928
+
+
 def test_large_embedding_is_split_so_no_chunk_goes_over_budget():
     emb = ParamInfo(0, 0, "adamw", numel=1_000_003, plan_bytes=8_000_024, elementwise=True)
     plan = _plan([emb], 1 << 20)

@@ -20,7 +20,10 @@ no algorithm by name: each parameter says whether its algorithm is element-wise
   ``split_sizes``: row blocks of one matrix).
 - Element-wise (adamw, lion) state has no structure to respect, so a parameter is cut
   anywhere (on a multiple of SEGMENT_ALIGN elements) into segments, and no chunk is forced
-  over budget by a large embedding.
+  over budget by a large embedding. A streamed chunk may hold less of it than its budget
+  (``elementwise_chunk_bytes``, ``Settings.elementwise_chunk_bytes``): an element-wise unit
+  is one launch whatever its size, and where matrix state is budgeted wider than it stages
+  (8-bit Muon at fp32 width) a full budget of element-wise state would size the staging.
 - A single matrix larger than ``chunk_bytes`` (a 2-D parameter, or one matrix of a stack)
   becomes a unit and a chunk of its own.
 - Within each part (resident, streamed) matrix units are packed first, then element-wise
@@ -149,10 +152,16 @@ class Plan:
         return [u for c in self.chunks for u in c.units]
 
 
-def plan_step(params: Sequence[ParamInfo], chunk_bytes: int, resident_chunk_bytes: int) -> Plan:
+def plan_step(
+    params: Sequence[ParamInfo],
+    chunk_bytes: int,
+    resident_chunk_bytes: int,
+    elementwise_chunk_bytes: int | None = None,
+) -> Plan:
     """Cut the step's parameters into units and pack the units into chunks: streamed ones
-    within ``chunk_bytes``, resident ones within ``resident_chunk_bytes`` (positive ints, as
-    ``Settings`` holds them).
+    within ``chunk_bytes``, of which at most ``elementwise_chunk_bytes`` (default:
+    ``chunk_bytes``) of element-wise state, resident ones within ``resident_chunk_bytes``
+    (positive ints, as ``Settings`` holds them).
 
     Resident chunks come first. Within each part, units are packed matrix units first, then
     element-wise parameters; groups keep their order, matrix units keep their parameters'
@@ -165,7 +174,11 @@ def plan_step(params: Sequence[ParamInfo], chunk_bytes: int, resident_chunk_byte
     for resident in (True, False):
         part = [p for p in params if p.resident == resident]
         budget = resident_chunk_bytes if resident else chunk_bytes
-        packer = _Packer(budget, resident)
+        # Resident chunks stage nothing: only a streamed one's element-wise share is held.
+        elementwise = (
+            budget if resident or elementwise_chunk_bytes is None else elementwise_chunk_bytes
+        )
+        packer = _Packer(budget, resident, min(budget, elementwise))
         # Only a streamed parameter over budget is worth a notice: it sizes the staging arena.
         for item in _units_in_order(part, budget, [] if resident else oversized):
             if isinstance(item, MatrixUnit):
@@ -325,14 +338,16 @@ def _matrix_unit(group: int, algorithm: str, items: list, nbytes: int) -> Matrix
 class _Packer:
     chunk_bytes: int
     resident: bool
+    elementwise_bytes: int  # element-wise state a chunk holds at most (<= chunk_bytes)
     chunks: list[Chunk] = field(default_factory=list)
     units: list[Unit] = field(default_factory=list)
     used: int = 0
+    elementwise_used: int = 0
 
     def close(self) -> None:
         if self.units:
             self.chunks.append(Chunk(tuple(self.units), self.used, self.resident))
-        self.units, self.used = [], 0
+        self.units, self.used, self.elementwise_used = [], 0, 0
 
     def add_matrix(self, unit: MatrixUnit) -> None:
         if self.units and self.used + unit.plan_bytes > self.chunk_bytes:
@@ -345,12 +360,13 @@ class _Packer:
         per_elem = max(1, -(-p.plan_bytes // max(p.numel, 1)))
         start = 0
         while start < p.numel:
-            room = max(0, self.chunk_bytes - self.used) // per_elem
+            left = min(self.chunk_bytes - self.used, self.elementwise_bytes - self.elementwise_used)
+            room = max(0, left) // per_elem
             if room < p.numel - start:
                 room -= room % p.align
             if room == 0:
                 self.close()
-                room = max(p.align, self.chunk_bytes // per_elem)
+                room = max(p.align, self.elementwise_bytes // per_elem)
                 if room < p.numel - start:
                     room -= room % p.align
             stop = min(p.numel, start + room)
@@ -366,6 +382,7 @@ class _Packer:
         else:
             self.units.append(ElementwiseUnit(p.group, p.algorithm, (segment,), nbytes, p.unit_key))
         self.used += nbytes
+        self.elementwise_used += nbytes
 
     def finish(self) -> list[Chunk]:
         self.close()

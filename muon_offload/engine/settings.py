@@ -125,6 +125,21 @@ class Settings:
     backend: str
     cuda_graph: bool | str = "auto"
     prefetch: bool = True  # backward starts the next step's first loads (prefetch.py)
+    # Some algorithm updates batches of whole matrices (Muon): from the engine, not the user.
+    batches_matrices: bool = False
+
+    @property
+    def elementwise_chunk_bytes(self) -> int:
+        """Element-wise state a streamed chunk holds at most. Where Muon budgets 8-bit state
+        at fp32 width and no graph replays the step (the eager 8-bit default's large chunks), a
+        matrix chunk stages a quarter of ``chunk_bytes`` in codes; element-wise state, budgeted
+        at its own width, is held to that quarter (at least DEFAULT_CHUNK_BYTES), so that large
+        AdamW groups do not size the staging arena (three of the largest chunk) at 3 x
+        ``chunk_bytes``. An element-wise unit is one launch whatever its size, so the cap costs
+        a launch per extra chunk at most. Elsewhere: ``chunk_bytes``."""
+        if self.batches_matrices and self.state_dtype == torch.int8 and self.cuda_graph is False:
+            return min(self.chunk_bytes, max(self.chunk_bytes // 4, DEFAULT_CHUNK_BYTES))
+        return self.chunk_bytes
 
     @classmethod
     def check(
@@ -179,6 +194,7 @@ class Settings:
             backend=backend,
             cuda_graph=cuda_graph,
             prefetch=prefetch,
+            batches_matrices=batches_matrices,
         )
 
     def replace(self, backends: Sequence[str], **changes) -> Settings:

@@ -314,7 +314,12 @@ class StateBuilder:
                 store.resident_used += nbytes
                 store.resident[p] = nbytes
             infos.append(self.param_info(i, gi, p, hypers[gi], resident, placement))
-        plan = plan_step(infos, settings.chunk_bytes, settings.resident_chunk_bytes)
+        plan = plan_step(
+            infos,
+            settings.chunk_bytes,
+            settings.resident_chunk_bytes,
+            settings.elementwise_chunk_bytes,
+        )
         order = [i for unit in plan.units() for i in unit_params(unit)]
         # A cut parameter appears once per piece; an empty one in no unit at all.
         store.create(

@@ -87,7 +87,12 @@ class StepPlanner:
             for i, ((gi, p), grad_dtype) in enumerate(zip(work, work.grad_dtypes, strict=True))
         ]
         infos = split_by_count(infos, classes)  # a unit's parameters share one step count
-        plan = plan_step(infos, settings.chunk_bytes, settings.resident_chunk_bytes)
+        plan = plan_step(
+            infos,
+            settings.chunk_bytes,
+            settings.resident_chunk_bytes,
+            settings.elementwise_chunk_bytes,
+        )
         oversized = [work[i] for i in plan.oversized]
         _say_oversized(oversized, self._oversized_logged, settings.chunk_bytes)
         transfers = _transfers(plan, state, store, work)
