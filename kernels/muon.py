@@ -21,7 +21,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._grad_index import GradIndex, grad_index_for
+from ._grad_index import (
+    GradIndex,
+    TabledGrads,
+    grad_index_for,
+    grads_aligned,
+    grads_dtype,
+    scratch_grads,
+)
 from ._launch import (
     DTYPE,
     FP_FUSION,
@@ -215,12 +222,12 @@ def _prep_launch(momentums, grads, index, mu, nesterov, out, partial, config: Co
         chunks,
         mu,
         triton_dtype(momentums[0].dtype),
-        triton_dtype(grads[0].dtype),
+        triton_dtype(grads_dtype(grads)),
         NESTEROV=nesterov,
         CHUNK=SUMSQ_CHUNK,
         BLOCK=SUMSQ_BLOCK,
         LOG2_BLOCK=LOG2_SUMSQ_BLOCK,
-        ALIGNED=all_aligned((momentums, grads)),
+        ALIGNED=all_aligned((momentums,)) and grads_aligned(grads),
         num_warps=config.num_warps,
         # mu*M + G rounded after the product, as the reference's separate mul_ and add_:
         # U then matches the reference bit for bit on the GPU.
@@ -242,7 +249,7 @@ def prep_outputs(batch: int, shape, device, out: Tensor | None, sumsq: Tensor | 
 
 def muon_prep(
     momentums: Sequence[Tensor],
-    grads: Sequence[Tensor],
+    grads: Sequence[Tensor] | TabledGrads,
     *,
     mu: float | Tensor,
     nesterov: bool,
@@ -257,8 +264,13 @@ def muon_prep(
     ``out`` must be contiguous [B, m, n] (bf16 unless the caller wants otherwise). ``mu``: a
     number, or an fp32 tensor on the device holding it (read by the kernel: the engine's step
     table). ``grad_index``: where the kernel reads the gradients' addresses, one row a matrix
-    (the engine's step table of them, ``_launch.GradIndex``); None: their own."""
-    batch = _check_matrices(("momentums", "grads"), (momentums, grads))
+    (the engine's step table of them, ``_launch.GradIndex``); None: their own. ``grads`` may
+    then be their description (``TabledGrads``) instead of a tensor a matrix."""
+    if isinstance(grads, TabledGrads):
+        batch = _check_matrices(("momentums",), (momentums,))
+        grads.check(batch, momentums[0].shape, momentums[0].device, grad_index)
+    else:
+        batch = _check_matrices(("momentums", "grads"), (momentums, grads))
     shape = momentums[0].shape
     device = momentums[0].device
     numel = momentums[0].numel()
@@ -269,14 +281,14 @@ def muon_prep(
         return out, sumsq
     key = (
         dtype_name(momentums[0].dtype),
-        dtype_name(grads[0].dtype),
+        dtype_name(grads_dtype(grads)),
         dtype_name(out.dtype),
         bucket(numel),  # no batch: the configs differ in warps only, never in results
         bool(nesterov),
     )
 
     def bench(config: Config) -> float:
-        scratch_m, scratch_g = scratch_like(momentums), scratch_like(grads)
+        scratch_m, scratch_g = scratch_like(momentums), scratch_grads(grads)
         scratch_out = torch.empty_like(out)
         part = torch.empty(batch, groups_for(numel), device=device)
         return bench_ms(

@@ -13,7 +13,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._grad_index import GradIndex, grad_index_for
+from ._grad_index import (
+    GradIndex,
+    TabledGrads,
+    grad_index_for,
+    grads_aligned,
+    grads_dtype,
+    scratch_grads,
+)
 from ._launch import (
     TABLES,
     TUNER,
@@ -140,11 +147,11 @@ def _prep8_launch(m_codes, m_scales, grads, index, mu, nesterov, out, partial, c
     batch, numel = len(m_codes), m_codes[0].numel()
     chunks = partial.shape[1]
     codes = list(map(Tensor.data_ptr, m_codes))
-    aligned = aligned_addresses(codes, map(Tensor.data_ptr, grads))
+    aligned = aligned_addresses(codes) and grads_aligned(grads)
     grad_table, grad_rows = grad_index_for(grads, index)
     # The table holds the gradients' rows of grad_table, not their addresses.
     ptrs = tuple(zip(codes, map(Tensor.data_ptr, m_scales), grad_rows, strict=True))
-    device = grads[0].device
+    device = m_codes[0].device
     table = TABLES.get(("muon_prep8", device, ptrs), lambda: np.array(ptrs, np.int64), device)
     _prep8_kernel[(chunks, batch)](
         table,
@@ -154,7 +161,7 @@ def _prep8_launch(m_codes, m_scales, grads, index, mu, nesterov, out, partial, c
         numel,
         chunks,
         mu,
-        triton_dtype(grads[0].dtype),
+        triton_dtype(grads_dtype(grads)),
         NESTEROV=nesterov,
         CHUNK=config.chunk,
         BLOCK=config.block,
@@ -167,7 +174,7 @@ def _prep8_launch(m_codes, m_scales, grads, index, mu, nesterov, out, partial, c
 def muon_prep8(
     m_codes: Sequence[Tensor],
     m_scales: Sequence[Tensor],
-    grads: Sequence[Tensor],
+    grads: Sequence[Tensor] | TabledGrads,
     *,
     mu: float | Tensor,
     nesterov: bool,
@@ -181,15 +188,20 @@ def muon_prep8(
     ``m_codes[i]`` is int8 with the matrix's shape, ``m_scales[i]`` fp32
     [ceil(m n / QBLOCK)]. The sum's order depends on the matrix shape only (the config is
     chosen by shape, the final sum is one fixed-order program a matrix): a matrix gives the
-    same bits in a batch of 1 or 40. ``grad_index``: as ``muon_prep``'s."""
+    same bits in a batch of 1 or 40. ``grad_index`` and ``grads`` as ``muon_prep``'s."""
     if not m_codes:
         raise ValueError("empty batch")
     shape, numel = m_codes[0].shape, m_codes[0].numel()
     batch = len(m_codes)
-    check_segments(m_codes, grads, [("m_codes", m_codes, m_scales, "momentum")])
-    if any(g.shape != shape or g.dtype != grads[0].dtype for g in grads):
-        raise ValueError(f"grads must all be {grads[0].dtype} of shape {tuple(shape)}")
-    device = grads[0].device
+    states = [("m_codes", m_codes, m_scales, "momentum")]
+    if isinstance(grads, TabledGrads):  # described, checked by the engine: the codes alone
+        check_segments(m_codes, m_codes, states)
+        grads.check(batch, shape, m_codes[0].device, grad_index)
+    else:
+        check_segments(m_codes, grads, states)
+        if any(g.shape != shape or g.dtype != grads[0].dtype for g in grads):
+            raise ValueError(f"grads must all be {grads[0].dtype} of shape {tuple(shape)}")
+    device = m_codes[0].device
     out, sumsq = prep_outputs(batch, shape, device, out, sumsq)
     mu = scalar_arg(mu, device)
     if numel == 0:
@@ -197,12 +209,12 @@ def muon_prep8(
         return out, sumsq
     # No batch in the key: a shape gets one config whatever the batch, so its sums of
     # squares are summed in one order.
-    key = (dtype_name(grads[0].dtype), dtype_name(out.dtype), tuple(shape), bool(nesterov))
+    key = (dtype_name(grads_dtype(grads)), dtype_name(out.dtype), tuple(shape), bool(nesterov))
 
     def bench(config: Config) -> float:
         codes = [torch.randint_like(c, -100, 100) for c in m_codes]
         scales = scratch_like(m_scales, positive=True)
-        g = scratch_like(grads)
+        g = scratch_grads(grads)
         part = torch.empty(batch, cdiv(numel, config.chunk), device=device)
         scratch_out = torch.empty_like(out)
         return bench_ms(

@@ -15,6 +15,8 @@ from ..distributed import local, orthogonalize_replicated, orthogonalize_sharded
 from ..engine import ChunkedOptimizer
 from ..engine.algorithm import Algorithm, Hyper, UnitJob
 from ..engine.settings import takes_settings
+from ..kernels._grad_index import TabledGrads
+from ..kernels._tables import ALIGN_BYTES, aligned_addresses
 from ..kernels.muon import apply_scalars
 from ..kernels.orthogonalize import ORTHOGONALIZERS
 from . import muon_launch as launch
@@ -103,7 +105,7 @@ class MuonUpdate(Algorithm):
             gs, ms, scales = job.grads, job.state[0], []
         else:
             xs, ms, scales = _unit_matrices(job, h.flatten, rows, int8)
-            gs = [g for grad in job.grads for g in _matrices(grad, h.flatten, rows)]
+            gs = _grad_matrices(job, h.flatten, rows, ms)
         if not ms:  # a stack sharded along its batch dim, with no matrices on this rank
             return
         mu = h.mu if row is None else row[0:1]
@@ -181,6 +183,24 @@ def _unit_matrices(job: UnitJob, flatten: bool, rows, int8: bool) -> tuple[list,
     if job.memo is not None and all(t.is_contiguous() for t in sources):
         job.memo["matrices"] = (key, (xs, ms, scales))
     return xs, ms, scales
+
+
+def _grad_matrices(job: UnitJob, flatten: bool, rows, ms: list) -> list | TabledGrads:
+    """The unit's gradient matrices as the prep launchers take them: where the kernels read
+    their addresses from the step's gradient table (``job.grad_index``), their description
+    (``TabledGrads``), which costs no view a matrix (a stack's gradient is a new tensor every
+    step, so its views cannot be kept as ``_unit_matrices`` keeps the state's); else the
+    views. Each gradient item is contiguous there (``GradTable.write``), its matrices in a
+    row, so every matrix's address is aligned when each item's is and a matrix is a multiple
+    of ``ALIGN_BYTES`` long (or each item is one matrix)."""
+    if job.grad_index is None or not ms:
+        return [g for grad in job.grads for g in _matrices(grad, flatten, rows)]
+    first = job.grads[0]
+    matrix_bytes = ms[0].numel() * first.element_size()
+    aligned = aligned_addresses(map(Tensor.data_ptr, job.grads)) and (
+        matrix_bytes % ALIGN_BYTES == 0 or len(ms) == len(job.grads)
+    )
+    return TabledGrads(len(ms), ms[0].shape, first.dtype, first.device, aligned)
 
 
 def _matrices(t: Tensor, flatten: bool, head_rows: int | None = None) -> list[Tensor]:
