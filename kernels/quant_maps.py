@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ._tables import DTYPE
+from ._tables import DTYPE, check_lists
 from ._triton import tl, triton
 
 QBLOCK = 256
@@ -290,20 +290,16 @@ def dequantize(codes: Tensor, scales: Tensor, kind: str) -> Tensor:
 def check_segments(params, grads, states) -> list[int]:
     """The segments' element counts, after checking them. ``states``: (name, codes, scales,
     map kind) per state. params, grads and each codes list: same element counts, contiguous,
-    one device; codes in the map's dtype; each scales list: fp32, one entry a block. This runs
-    for every unit of every step: the attribute reads go through ``map`` (loops in C), as in
-    ``_tables.check_lists``, and only a failing list is walked in Python for its message."""
-    numels = list(map(Tensor.numel, params))
+    one device (``_tables.check_lists``); codes in the map's dtype; each scales list: fp32,
+    one entry a block. ``grads`` None: gradients the launch reads through its table alone
+    (``_grad_index.TabledGrads``), checked where the table was written. This runs for every
+    unit of every step: the attribute reads go through ``map`` (loops in C), and only a
+    failing list is walked in Python for its message."""
+    lists = {"params": params, "grads": grads}
+    lists.update((name, codes) for name, codes, _, _ in states if codes is not params)
+    lists = {name: tensors for name, tensors in lists.items() if tensors is not None}
+    numels = check_lists(tuple(lists), tuple(lists.values()))
     where = params[0].get_device() if params else None
-    lists = [("params", params), ("grads", grads)]
-    lists += [(name, codes) for name, codes, _, _ in states if codes is not params]
-    for name, tensors in lists:
-        if len(tensors) != len(numels) or list(map(Tensor.numel, tensors)) != numels:
-            raise ValueError(f"{name}: segment count or element counts differ from params'")
-        if not all(map(Tensor.is_contiguous, tensors)) or set(map(Tensor.get_device, tensors)) - {
-            where
-        }:
-            raise ValueError(f"{name}: every tensor must be contiguous and on {params[0].device}")
     blocks = [-(-n // QBLOCK) for n in numels]
     for name, codes, scales, kind in states:
         dtype = CODE_DTYPES[kind]

@@ -195,7 +195,7 @@ def muon_prep8(
     batch = len(m_codes)
     states = [("m_codes", m_codes, m_scales, "momentum")]
     if isinstance(grads, TabledGrads):  # described, checked by the engine: the codes alone
-        check_segments(m_codes, m_codes, states)
+        check_segments(m_codes, None, states)
         grads.check(batch, shape, m_codes[0].device, grad_index)
     else:
         check_segments(m_codes, grads, states)

@@ -366,10 +366,10 @@ def _break(what: str, params, grads, m, v) -> str:
     """Spoil one segment list as ``what`` says; the message the check must give."""
     if what == "count":
         grads.pop()
-        return "grads: segment count"
+        return "grads: 1 tensors, expected 2"
     if what == "numel":
         grads[1] = torch.randn(699)
-        return "grads: segment count or element counts"
+        return "grads: element counts differ from params'"
     if what == "strided":
         m[0][1] = torch.zeros(1400, dtype=torch.int8)[::2]
         return "m_codes: every tensor must be contiguous"
