@@ -65,13 +65,19 @@ SETTINGS_DOC = f"""
 """
 
 
+def eager_batches(cuda_graph: bool | str, batches_matrices: bool) -> bool:
+    """Steps never captured that update batches of whole matrices: bound by their launches,
+    so they take DEFAULT_EAGER_CHUNK_BYTES (the constant's comment says why)."""
+    return cuda_graph is False and batches_matrices
+
+
 def default_chunk_bytes(
     state_dtype: torch.dtype | None, cuda_graph: bool | str, batches_matrices: bool
 ) -> int:
     """``chunk_bytes`` when none is given (the constants' comments say why). Larger eager
     chunks pay where units are many launches each (batches of matrices); an element-wise
     chunk is one launch, and larger ones would only take more staging memory."""
-    if state_dtype == torch.int8 and cuda_graph is False and batches_matrices:
+    if state_dtype == torch.int8 and eager_batches(cuda_graph, batches_matrices):
         return DEFAULT_EAGER_CHUNK_BYTES
     return DEFAULT_CHUNK_BYTES
 
@@ -79,7 +85,7 @@ def default_chunk_bytes(
 def default_resident_chunk_bytes(cuda_graph: bool | str, batches_matrices: bool) -> int:
     """``resident_chunk_bytes`` when none is given, before ``chunk_bytes`` raises it: eager
     steps of batched matrices take the larger budget (fewer launches), as their chunks do."""
-    if cuda_graph is False and batches_matrices:
+    if eager_batches(cuda_graph, batches_matrices):
         return DEFAULT_EAGER_CHUNK_BYTES
     return DEFAULT_RESIDENT_CHUNK_BYTES
 
@@ -137,7 +143,7 @@ class Settings:
         AdamW groups do not size the staging arena (three of the largest chunk) at 3 x
         ``chunk_bytes``. An element-wise unit is one launch whatever its size, so the cap costs
         a launch per extra chunk at most. Elsewhere: ``chunk_bytes``."""
-        if self.batches_matrices and self.state_dtype == torch.int8 and self.cuda_graph is False:
+        if self.state_dtype == torch.int8 and eager_batches(self.cuda_graph, self.batches_matrices):
             return min(self.chunk_bytes, max(self.chunk_bytes // 4, DEFAULT_CHUNK_BYTES))
         return self.chunk_bytes
 
