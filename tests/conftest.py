@@ -3,6 +3,17 @@ must be set before any module that defines a ``@triton.jit`` function is importe
 set here, at collection start, and nothing above imports a kernel module."""
 
 import os
+import sys
+from pathlib import Path
+
+# The checkout's root holds ``kernels/``, which installs as ``muon_offload.kernels`` only.
+# ``python -m pytest`` puts the working directory first on sys.path, where that folder would
+# be importable as a top-level ``kernels`` and shadow PyPI's ``kernels``, which transformers
+# imports when it is installed (a dependency of transformers from 5.25): its Trainer then
+# failed with "cannot import name 'CUDAProperties' from 'kernels'". Nothing is imported from
+# the root itself (the package is installed; tests/ and bench/ are added on their own).
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 # One CPU thread a process for torch's operations: the suite runs a worker per core (-n auto)
 # and spawns ranks and scripts beside them, and two threads a process contend on every small
