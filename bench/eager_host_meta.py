@@ -3,7 +3,7 @@ full-size models, without a GPU: the models on meta tensors, ``backend="triton"`
 ``kernels.tuning.recording_keys`` (every Triton launch taken to its launcher's call and
 skipped, the CUDA paths taken), as bench/tuning_keys.py runs a first step.
 
-    PYTHONPATH=. python bench/eager_host_meta.py --models moe dense [--steps 5] [--profile]
+    python bench/eager_host_meta.py --models moe dense [--steps 5] [--profile]
 
 For each model and mode (resident, offloaded int8 and fp32: training_loop.py's ``OURS``, the
 offloaded ones as ``tuning_keys.as_streamed``: their chunks and launches at the chunk size an

@@ -49,24 +49,19 @@ import json
 import platform
 import pstats
 import statistics
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-# This checkout's package, not whichever one an editable install points at.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from muon_offload import Muon
+from muon_offload.engine import settings
+from muon_offload.tools import demo_model as demo
+from muon_offload.tools.bench.modes import build
+from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank
 
-from muon_offload import Muon  # noqa: E402
-from muon_offload.engine import settings  # noqa: E402
-from muon_offload.tools import demo_model as demo  # noqa: E402
-from muon_offload.tools.bench.modes import build  # noqa: E402
-from muon_offload.tools.workloads import ParamSpec, qwen3_30b_a3b_ep8_rank  # noqa: E402
-
-from host_time_stubs import replayed, stubbed_kernels  # noqa: E402
+from host_time_stubs import replayed, stubbed_kernels
 
 # Phases, as the functions that run them (module file suffix, function name). A function
 # that is not found (renamed) simply reads 0. "run" includes "jobs" and "update".

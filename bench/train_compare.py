@@ -9,8 +9,8 @@ order:
 all with ``offload=True`` on a GPU. A mode whose optimizer cannot be built (a feature that has
 not landed) is recorded as skipped with the error; the others still run.
 
-    PYTHONPATH=. python bench/train_compare.py --out out/train --time-limit 500   # one H200
-    PYTHONPATH=. python bench/train_compare.py --tiny --out out/tiny                # CPU, < 1 min
+    python bench/train_compare.py --out out/train --time-limit 500   # one H200
+    python bench/train_compare.py --tiny --out out/tiny                # CPU, < 1 min
 
 Writes ``train_compare.json`` into ``--out`` after every mode (a run cut short keeps what
 finished), then ``train_compare.png`` (smoothed loss curves: Muon runs, AdamW runs) and prints

@@ -2,9 +2,9 @@
 the forward pass, backward, ``clip_grad_norm_(1.0)``, ``step()``, torch's default
 ``zero_grad()`` (``set_to_none=True``: backward allocates new gradients every iteration).
 
-    PYTHONPATH=. python bench/training_loop.py --models moe --json out/training_loop_moe.json
-    PYTHONPATH=. python bench/training_loop.py --models dense --json out/training_loop_dense.json
-    PYTHONPATH=. python bench/training_loop.py --tiny --layers 1 --device cpu  # CPU: seconds
+    python bench/training_loop.py --models moe --json out/training_loop_moe.json
+    python bench/training_loop.py --models dense --json out/training_loop_dense.json
+    python bench/training_loop.py --tiny --layers 1 --device cpu  # CPU: seconds
 
 Models (random init from ``--seed``, no download; ``AutoModelForCausalLM.from_config``, fp32,
 sdpa attention): "dense", bench/transformers_step.py's Qwen3 (24 layers, hidden 2048, MLP 6144,

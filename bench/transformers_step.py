@@ -1,8 +1,8 @@
 """A transformers causal LM trained a few iterations in a plain torch loop with each optimizer:
 ours offloaded, ours resident, dion's resident ``Muon``, ours offloaded with 8-bit state.
 
-    PYTHONPATH=. python bench/transformers_step.py --out out/transformers_step.json  # one GPU
-    PYTHONPATH=. python bench/transformers_step.py --tiny --out tiny.json  # CPU: ~15 s
+    python bench/transformers_step.py --out out/transformers_step.json  # one GPU
+    python bench/transformers_step.py --tiny --out tiny.json  # CPU: ~15 s
 
 The model is Qwen3's layout (``transformers.Qwen3Config``) at 1,339,138,048 parameters (24
 layers, hidden 2048, MLP 6144, 16 query and 8 key-value heads of 128, a 32,000-token vocabulary,

@@ -1,8 +1,8 @@
 """The tuning keys that bench/training_loop.py's models need in their first step, and how the
 shipped table of a GPU decides each: on the CPU, nothing timed or launched.
 
-    PYTHONPATH=. python bench/tuning_keys.py --models moe dense  # full size, on meta tensors
-    PYTHONPATH=. python bench/tuning_keys.py --tiny --json out/tuning_keys_tiny.json
+    python bench/tuning_keys.py --models moe dense  # full size, on meta tensors
+    python bench/tuning_keys.py --tiny --json out/tuning_keys_tiny.json
 
 For each model and each of our modes (resident, offloaded with fp32 state, offloaded with int8
 state: training_loop.py's ``OURS``) one ``step()`` runs with ``backend="triton"`` inside

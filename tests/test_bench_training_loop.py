@@ -41,7 +41,7 @@ def run(tmp_path_factory):
     cmd = [sys.executable, str(ROOT / "bench" / "training_loop.py"), "--tiny", "--layers", "1"]
     cmd += ["--device", "cpu", "--warmup", str(WARMUP), "--rounds", str(ROUNDS)]
     cmd += ["--iters", str(ITERS), "--json", str(out)]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.environ.get("PYTHONPATH", "")
     # One thread: torch's pool of intra-op threads is many times slower on a busy machine.
     env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -61,7 +61,7 @@ with open(sys.argv[1], "w") as f:
 
 
 def _env():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.environ.get("PYTHONPATH", "")
     # The CPU path of offload=True, also on a machine with GPUs (see test_multi_gpu_bench).
     return dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
 

@@ -27,7 +27,7 @@ ITERS = 2  # timed, after one warm-up: the third loss follows a step that used t
 def _run(out: Path, *extra: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     cmd += ["2", str(SCRIPT), "--tiny", "--device", "cpu", "--out", str(out), *extra]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.environ.get("PYTHONPATH", "")
     # CPUs only, also on a machine with GPUs (offload=True refuses CPU parameters there).
     env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)

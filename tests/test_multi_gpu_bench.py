@@ -48,7 +48,7 @@ def _tiny(out, *extra):
         str(out),
         *extra,
     ]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.environ.get("PYTHONPATH", "")
     # CPUs only, also on a machine with GPUs: with CUDA present, offload=True refuses CPU
     # parameters (engine._check_step) rather than silently taking the CPU path.
     env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")

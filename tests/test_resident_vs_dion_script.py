@@ -22,7 +22,7 @@ def test_interleaved_rounds_and_ratios(tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "resident_vs_dion.py"), "--dion-path"]
     cmd += [str(dion_root), "--workload", "tiny", "--out", str(out), "--rounds", "3"]
     cmd += ["--warmup", "1", "--chunk-mib", "1", "4", "--gram-newton-schulz"]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

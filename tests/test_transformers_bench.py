@@ -23,7 +23,7 @@ def test_tiny_run_records_every_mode(tmp_path):
     out = tmp_path / "sub" / "transformers_step.json"
     cmd = [sys.executable, str(ROOT / "bench" / "transformers_step.py"), "--tiny"]
     cmd += ["--out", str(out)]
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    path = os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Kernel benchmark: achieved bandwidth of the fused kernels against the device-memory copy.
 
-    python bench/kernels.py --out kernels.json
+    python bench/kernel_bandwidth.py --out kernels.json
 
 Bandwidth counts the fewest bytes each kernel must move (every input read once, every output
 written once) over the median time (CUDA events, ``triton.testing.do_bench``) on fresh random
