@@ -111,3 +111,14 @@ def test_a_wheel_builds_from_the_sdist(sdist, tmp_path):
     kernels = {f"muon_offload/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.py")}
     assert kernels <= names and "muon_offload/__init__.py" in names
     assert not [n for n in names if n.startswith(("tests/", "bench/"))]
+
+
+def test_the_kernels_folder_refuses_to_be_imported_as_a_top_level_kernels():
+    # From the checkout's root, 'import kernels' finds the folder before PyPI's package of that
+    # name (which transformers imports): a clear error there, not a half-imported module.
+    code = "import kernels"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "ImportError" in done.stderr and "muon_offload.kernels" in done.stderr
