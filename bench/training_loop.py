@@ -46,6 +46,15 @@ memory allocated and reserved (``torch.cuda.max_memory_*``, reset before each of
 blocks of iterations, so they include the other modes' copies; run ``--modes X`` alone for a
 mode's own) and the mode's own peak (what its copy holds between iterations plus the most its
 iterations added over what was allocated when they began).
+
+``--back-to-back``: each round also runs ``--iters`` iterations of every mode with no
+synchronization between them (the device synchronized before the first and after the last),
+as a loop that reads no figure each iteration runs: what a step leaves running (its last
+stores, the host's queue of launches) overlaps the next iteration. Columns "b2b s" (median over
+the rounds of such a block's seconds an iteration) and "b2b share" (that minus ``no_step``'s).
+On CUDA each synchronized iteration also records the device milliseconds of its forward, its
+backward and the clip (events on the current stream from the iteration's start): a mode whose
+hooks or side streams slow backward shows it there against ``no_step``.
 """
 
 from __future__ import annotations
@@ -55,12 +64,19 @@ import os
 # dion eager (see bench/transformers_step.py); read when torch is imported.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+import itertools  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from training_loop_report import eager_lines, environment, summary, table  # noqa: E402
+from training_loop_report import (  # noqa: E402
+    eager_lines,
+    environment,
+    phase_lines,
+    summary,
+    table,
+)
 from transformers_step import MODEL as DENSE  # noqa: E402
 from transformers_step import TINY_MODEL as TINY_DENSE  # noqa: E402
 from transformers_step import (  # noqa: E402
@@ -179,19 +195,31 @@ class Copy:
         self.step_ms: list[float] = []
         self.host_ms: list[float] = []
         self.losses: list[float] = []
+        self.phase_ms: dict[str, list[float]] = {}  # synced CUDA iterations: GPU ms a phase
+        self.run_s: list[float] = []  # back-to-back blocks: seconds an iteration
+        self.pending: list[tuple] = []  # back-to-back iterations' losses and stopwatches
         self.held = self.added = self.peak = self.reserved = None
 
-    def iteration(self, batch: torch.Tensor, meter: Meter, timed: bool) -> None:
+    def iteration(
+        self, batch: torch.Tensor, meter: Meter, timed: bool, synced: bool = True
+    ) -> torch.Tensor:
+        """One iteration; ``synced``: the device synchronized before the forward and after
+        ``zero_grad()``, the iteration's seconds recorded. Returns the loss (not read)."""
         model, opt = self.model, self.opt
         groups = opt.param_groups if opt is not None else []
         for group, lr in zip(groups, self.base_lrs, strict=True):
             group["lr"] = lr * cosine(self.done, self.total)
-        meter.sync()
+        if synced:
+            meter.sync()
+        marks = Marks(meter.cuda and synced and timed)
         start = time.perf_counter()
         with torch.autocast(batch.device.type, dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
+        marks.mark()
         loss.backward()
+        marks.mark()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        marks.mark()
         step = None
         if opt is None:
             model.zero_grad()
@@ -202,17 +230,65 @@ class Copy:
             with step:
                 opt.step()
             opt.zero_grad()
+        self.done += 1
+        if not synced:  # read after the caller's sync
+            self.pending.append((loss.detach(), step if timed else None))
+            return loss
         meter.sync()
         seconds = time.perf_counter() - start
-        self.losses.append(loss.item())
-        self.done += 1
         if step is not None and self.first_step is None:
             self.first_step = {"s": step.ms() / 1e3, "host_s": step.host_ms / 1e3}
+        self.record(loss, step if timed else None)
         if timed:
             self.iter_s.append(seconds)
-            if step is not None:
-                self.step_ms.append(step.ms())
-                self.host_ms.append(step.host_ms)
+            if marks.events:
+                for phase, ms in zip(PHASES, marks.ms(), strict=True):
+                    self.phase_ms.setdefault(phase, []).append(ms)
+        return loss
+
+    def record(self, loss: torch.Tensor, step: Stopwatch | None) -> None:
+        self.losses.append(loss.item())
+        if step is not None:
+            self.step_ms.append(step.ms())
+            self.host_ms.append(step.host_ms)
+
+    def back_to_back(self, tokens: torch.Tensor, iters: int, meter: Meter) -> None:
+        """``iters`` iterations issued one after the other, the device synchronized only before
+        the first and after the last, as a training loop that reads no figure per iteration
+        runs: what one iteration's step leaves running (stores, the host's queue) overlaps the
+        next. Records the block's seconds an iteration."""
+        meter.sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            self.iteration(tokens[self.done], meter, timed=True, synced=False)
+        meter.sync()
+        self.run_s.append((time.perf_counter() - start) / iters)
+        for loss, step in self.pending:
+            self.record(loss, step)
+        self.pending.clear()
+
+
+PHASES = ("forward", "backward", "clip")
+
+
+class Marks:
+    """CUDA events on the current stream from an iteration's start to each phase's end (none
+    off CUDA or when not asked): the device's milliseconds a phase, queued work and idle
+    gaps between kernels included, so a mode whose hooks or side streams slow backward
+    shows it against ``no_step``."""
+
+    def __init__(self, on: bool):
+        self.events = [torch.cuda.Event(enable_timing=True)] if on else []
+        if on:
+            self.events[0].record()
+
+    def mark(self) -> None:
+        if self.events:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+
+    def ms(self) -> list[float]:
+        return [a.elapsed_time(b) for a, b in itertools.pairwise(self.events)]
 
 
 class Stopwatch:
@@ -236,13 +312,18 @@ class Stopwatch:
         return self.events[0].elapsed_time(self.events[1]) if self.events else self.host_ms
 
 
-def block(copy: Copy, tokens: torch.Tensor, iters: int, meter: Meter) -> None:
-    """``iters`` timed iterations of one mode, with its memory peaks over them."""
+def block(
+    copy: Copy, tokens: torch.Tensor, iters: int, meter: Meter, back_to_back: bool = False
+) -> None:
+    """``iters`` timed iterations of one mode (and as many back to back), with its memory
+    peaks over them."""
     meter.sync()
     meter.reset_peak()
     base = meter.allocated()
     for _ in range(iters):
         copy.iteration(tokens[copy.done], meter, timed=True)
+    if back_to_back:
+        copy.back_to_back(tokens, iters, meter)
     if meter.cuda:
         peak = meter.peak()
         copy.added = max(copy.added or 0, peak - base)
@@ -279,7 +360,7 @@ def run_model(kind: str, args, dion, dion_missing: str, result: dict, write) -> 
         flush=True,
     )
     gen = torch.Generator().manual_seed(args.seed)
-    total = args.warmup + args.rounds * args.iters
+    total = args.warmup + args.rounds * args.iters * (2 if args.back_to_back else 1)
     tokens = torch.randint(cfg.vocab_size, (total, args.batch, args.seq), generator=gen)
     tokens = tokens.to(args.device)
     meter = Meter(args.device)
@@ -311,7 +392,7 @@ def run_model(kind: str, args, dion, dion_missing: str, result: dict, write) -> 
         for name in rotated(list(copies), r):
             failure = None
             try:
-                block(copies[name], tokens, args.iters, meter)
+                block(copies[name], tokens, args.iters, meter, args.back_to_back)
             except Exception as e:
                 failure = error(e)
             if failure:
@@ -347,6 +428,11 @@ def parse(argv):
             default=None,
             help=f"default {DEFAULTS[key]}, {TINY_DEFAULTS[key]} with --tiny (>= {low})",
         )
+    ap.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="each round also runs --iters iterations per mode with no sync between them",
+    )
     ap.add_argument("--layers", type=int, default=None, help="default: 24 dense, 16 MoE; 2 tiny")
     ap.add_argument("--dion-path", default=None, help="folder holding the dion package")
     ap.add_argument("--seed", type=int, default=0, help="model init and token ids")
@@ -391,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, model in result["models"].items():
         print(f"\n{kind} ({model['model']['parameters']:,} parameters)")
         print(table(model["modes"]))
-        print("\n".join(eager_lines(model["modes"], EAGER)))
+        print("\n".join(eager_lines(model["modes"], EAGER) + phase_lines(model["modes"])))
     return 0
 
 

@@ -43,6 +43,10 @@ def row(copy) -> dict:
         "held_gib": gib(copy.held),
         "own_peak_gib": gib(own),
         "host_state_gib": gib(getattr(opt, "host_state_bytes", None)),
+        "median_phase_ms": {k: median(v) for k, v in copy.phase_ms.items()},
+        "phase_ms": copy.phase_ms,
+        "median_run_s": median(copy.run_s),
+        "run_s": copy.run_s,
         "last_loss": copy.losses[-1],
         "losses": copy.losses,
         "iter_s": copy.iter_s,
@@ -55,9 +59,11 @@ def summary(copies: dict) -> dict:
     """Every live copy's row with its step share: its median iteration minus ``no_step``'s
     (None without a live ``no_step``)."""
     new = {name: row(copy) for name, copy in copies.items()}
-    base = new["no_step"]["median_iter_s"] if "no_step" in new else None
+    base = new.get("no_step", {})
     for r in new.values():
-        r["step_share_s"] = None if base is None else r["median_iter_s"] - base
+        for key, share in (("median_iter_s", "step_share_s"), ("median_run_s", "run_share_s")):
+            b = base.get(key)
+            r[share] = None if b is None or r[key] is None else r[key] - b
     return new
 
 
@@ -71,6 +77,8 @@ COLUMNS = (
     ("mode", "<18"),
     ("iter s", ">7"),
     ("share s", ">7"),
+    ("b2b s", ">7"),
+    ("b2b share", ">9"),
     ("step ms", ">8"),
     ("host ms", ">8"),
     ("first s", ">7"),
@@ -102,6 +110,8 @@ def table(rows: dict) -> str:
                 name,
                 f"{r['median_iter_s']:.4f}",
                 num(r["step_share_s"], ".4f"),
+                num(r.get("median_run_s"), ".4f"),
+                num(r.get("run_share_s"), ".4f"),
                 num(r["median_step_ms"], ".2f"),
                 num(r["median_host_ms"], ".2f"),
                 num(r["first_step_s"], ".3f"),
@@ -141,6 +151,17 @@ def eager_lines(rows: dict, twins: dict[str, str]) -> list[str]:
             f"step {num(graphed.get('median_step_ms'), '.2f')} ms on the device: "
             f"the eager host {num(over_graphed, '.0%')} of it)"
         )
+    return lines
+
+
+def phase_lines(rows: dict) -> list[str]:
+    """Each mode's median device ms of forward, backward and clip (CUDA runs)."""
+    lines = []
+    for name, r in rows.items():
+        phases = r.get("median_phase_ms")
+        if phases:
+            cells = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+            lines.append(f"{name}: device ms before the step: {cells}")
     return lines
 
 

@@ -1,6 +1,6 @@
 """bench/training_loop.py end to end on the CPU (a subprocess, as the GPU run starts it: dion
 must run eagerly, which is set before torch is imported): a 1-layer tiny dense and MoE model,
-one warm-up iteration, one round of two; every mode's row and table line, with finite
+one warm-up iteration, one round of two (and two back to back); every mode's row and table line, with finite
 figures; dion's row skipped, saying so, only where dion is not installed."""
 
 import importlib.util
@@ -40,7 +40,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("training_loop") / "sub" / "tl.json"
     cmd = [sys.executable, str(ROOT / "bench" / "training_loop.py"), "--tiny", "--layers", "1"]
     cmd += ["--device", "cpu", "--warmup", str(WARMUP), "--rounds", str(ROUNDS)]
-    cmd += ["--iters", str(ITERS), "--json", str(out)]
+    cmd += ["--iters", str(ITERS), "--back-to-back", "--json", str(out)]
     path = os.environ.get("PYTHONPATH", "")
     # One thread: torch's pool of intra-op threads is many times slower on a busy machine.
     env = dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
@@ -77,7 +77,8 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
             continue
         assert "error" not in row, row["error"]
         trained[name] = row
-        assert len(row["losses"]) == WARMUP + ROUNDS * ITERS
+        # Each round: ITERS iterations synchronized one by one, then ITERS back to back.
+        assert len(row["losses"]) == WARMUP + 2 * ROUNDS * ITERS
         assert (
             all(math.isfinite(x) for x in row["losses"]) and row["last_loss"] == row["losses"][-1]
         )
@@ -86,12 +87,16 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
         assert _finite(row["step_share_s"])
         share = row["median_iter_s"] - rows["no_step"]["median_iter_s"]
         assert row["step_share_s"] == pytest.approx(share, rel=1e-12, abs=1e-15)
+        assert len(row["run_s"]) == ROUNDS and all(t > 0 for t in row["run_s"])
+        run_share = row["median_run_s"] - rows["no_step"]["median_run_s"]
+        assert row["run_share_s"] == pytest.approx(run_share, rel=1e-12, abs=1e-15)
+        assert row["phase_ms"] == {} and row["median_phase_ms"] == {}  # CUDA events only
         assert row["peak_allocated_gib"] is None and row["own_peak_gib"] is None  # no GPU
         if name == "no_step":
             assert row["step_share_s"] == 0.0 and row["median_step_ms"] is None
             assert row["first_step_s"] is None and row["graph"] is None
             continue
-        assert len(row["step_ms"]) == len(row["host_ms"]) == ROUNDS * ITERS
+        assert len(row["step_ms"]) == len(row["host_ms"]) == 2 * ROUNDS * ITERS
         for key in ("median_step_ms", "median_host_ms", "first_step_s", "first_step_host_s"):
             assert _finite(row[key]) and row[key] > 0, key
         assert row["median_step_ms"] / 1e3 <= row["max_iter_s"]
@@ -100,7 +105,7 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
         elif name in OURS:  # on the CPU every step is eager, warm-up included
             stats = row["graph"]
             assert (stats["captures"], stats["replays"]) == (0, 0)
-            assert stats["eager_steps"] == WARMUP + ROUNDS * ITERS
+            assert stats["eager_steps"] == WARMUP + 2 * ROUNDS * ITERS
         else:
             assert row["graph"] is None
     # Every copy was built from the same seed and sees the same batches: one first loss.
