@@ -158,6 +158,7 @@ class Tuner:
         self._lock = threading.Lock()
         self.last: dict[str, dict] = {}  # kernel -> the latest decision (for `tune` reports)
         self.retune = False  # time the candidates again even when a decision is cached
+        self.forced: dict[str, Config] = {}  # kernel -> the config it takes (tuning.forcing)
         # The keys timed since ``retune`` was set (``tuning.retuning``): not timed twice in it
         # (the compile pass times a key, the step after it would again).
         self.retimed: set[tuple] = set()
@@ -206,6 +207,8 @@ class Tuner:
         """``bench(config) -> ms`` must run on scratch tensors (it is called once per config)."""
         if device.type != "cuda" or interpreted():
             return interpreter_config
+        if self.forced and kernel in self.forced:
+            return _forced(kernel, key, configs, self.forced[kernel])
         # autotune_enabled(), TRITON_INTERPRET not read again: this runs per launch.
         if not force and not autotune_switched_on():
             return configs[0]
@@ -286,6 +289,16 @@ class Tuner:
 
 
 TUNER = Tuner()
+
+
+def _forced(kernel: str, key: tuple, configs: Sequence[Config], config: Config) -> Config:
+    """The config ``tuning.forcing`` gives ``kernel``, when this launch may take it."""
+    if config not in configs:
+        offered = ", ".join(c.label() for c in configs)
+        raise ValueError(
+            f"{kernel} cannot take {config.label()} for key {key}; its candidates: {offered}"
+        )
+    return config
 
 
 def _cached_config(entry, configs: Sequence[Config]) -> Config | None:

@@ -28,6 +28,20 @@ def retuning(enabled: bool = True) -> Iterator[None]:
         TUNER.retune = before
 
 
+@contextlib.contextmanager
+def forcing(kernel: str, config: Config) -> Iterator[None]:
+    """Within the block, every CUDA launch of ``kernel`` (``"sym_gram"``, ``"poly_apply"``,
+    ``"muon_prep"``, ...) takes ``config``: nothing timed, cached or read from a table (a
+    benchmark of each candidate, a bisection). A launch whose candidates lack it raises
+    ValueError, naming them. Not for use beside a step on another thread."""
+    before = TUNER.forced
+    TUNER.forced = {**before, kernel: config}
+    try:
+        yield
+    finally:
+        TUNER.forced = before
+
+
 def last_choice(kernel: str) -> tuple[str, float] | None:
     """(config label, its time in ms) that the last tuning or cache hit of ``kernel`` gave in
     this process, or None."""

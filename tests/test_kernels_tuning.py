@@ -29,6 +29,36 @@ def test_last_choice_reads_what_the_tuner_chose(monkeypatch, tmp_path):
     assert tuning.last_choice("k") == ("block=512 warps=8", 1.5)
 
 
+def test_forcing_takes_the_config_untimed_and_refuses_one_the_launch_lacks(monkeypatch, tmp_path):
+    import json
+
+    import pytest
+
+    tuner = tuning_as_on_a_gpu(monkeypatch, tmp_path)
+    monkeypatch.setattr(tuning, "TUNER", tuner)
+    configs = [_launch.Config(block=256), _launch.Config(block=512, num_warps=8)]
+    cached = {"k|x": {"config": {"block": 512, "num_warps": 8}, "ms": 1.0}}
+    (tmp_path / "t.json").write_text(json.dumps(cached))
+    dev = torch.device("cuda")
+
+    def bench(config):
+        raise AssertionError("a forced launch times nothing")
+
+    monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "0")  # forcing holds with tuning off too
+    with tuning.forcing("k", configs[0]):
+        assert tuner.choose("k", ("x",), configs, configs[1], dev, bench) == configs[0]
+        assert tuner.choose("other", ("x",), configs, configs[1], dev, bench) == configs[0]
+        lacking = "cannot take block=128 .*candidates: block=256 warps=4, block=512"
+        absent = _launch.Config(block=128)
+        with pytest.raises(ValueError, match=lacking), tuning.forcing("k", absent):
+            tuner.choose("k", ("x",), configs, configs[1], dev, bench)
+        assert tuner.forced == {"k": configs[0]}  # the inner block's config left with it
+    assert tuner.forced == {}
+    monkeypatch.setenv("MUON_OFFLOAD_AUTOTUNE", "1")
+    assert tuner.choose("k", ("x",), configs, configs[0], dev, bench) == configs[1]  # the cache's
+    assert json.loads((tmp_path / "t.json").read_text()) == cached  # nothing written
+
+
 def test_a_cached_decision_outside_the_candidates_is_tuned_again(monkeypatch, tmp_path):
     """The disk cache is shared by every version of the package on the machine: an entry
     written by another version (a config field this one does not know, a config no longer
