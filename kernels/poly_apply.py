@@ -67,9 +67,21 @@ POLY_APPLY_CONFIGS = (
     Config(block=64, block_m=128, chunk=64, num_warps=4, num_stages=4),
     Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=3, tma=True, flatten=True),
     Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=4, tma=True, flatten=True),
-    Config(block=256, block_m=128, chunk=64, num_warps=8, num_stages=3, tma=True),
     Config(block=128, block_m=128, chunk=64, num_warps=8, num_stages=4, tma=True, flatten=True),
-    Config(block=128, block_m=128, chunk=64, num_warps=4, num_stages=4, tma=True, flatten=True),
+    # Two programs a SM, each of 4 warps and 3 stages (96 KiB of shared memory): one's
+    # epilogue overlaps the other's loads and products (H200, bench/product_configs.py:
+    # 64 x 1024^2 0.247 ms against 0.258 for the 256-wide tile, one program a SM; even with
+    # it on 128 x 1024^2 and 96 x 512x1024).
+    Config(
+        block=128,
+        block_m=128,
+        chunk=64,
+        num_warps=4,
+        num_stages=3,
+        tma=True,
+        flatten=True,
+        programs_per_sm=2,
+    ),
     Config(
         block=256, block_m=128, chunk=64, num_warps=8, num_stages=3, tma=True, warp_specialize=True
     ),
