@@ -1,7 +1,7 @@
 """bench/training_loop.py end to end on the CPU (a subprocess, as the GPU run starts it: dion
 must run eagerly, which is set before torch is imported): a 1-layer tiny dense and MoE model,
-one warm-up iteration, one round of two (and two back to back); every mode's row and table line, with finite
-figures; dion's row skipped, saying so, only where dion is not installed."""
+one warm-up iteration, one round of two (and two back to back); every mode's row and table
+line, with finite figures; dion's row skipped, saying so, only where dion is not installed."""
 
 import importlib.util
 import json
