@@ -54,7 +54,10 @@ stores, the host's queue of launches) overlaps the next iteration. Columns "b2b 
 the rounds of such a block's seconds an iteration) and "b2b share" (that minus ``no_step``'s).
 On CUDA each synchronized iteration also records the device milliseconds of its forward, its
 backward and the clip (events on the current stream from the iteration's start): a mode whose
-hooks or side streams slow backward shows it there against ``no_step``.
+hooks or side streams slow backward shows it there against ``no_step``; and what is left of
+the iteration after the clip ("after clip": the step, ``zero_grad()`` and the copies the step
+leaves running, up to the sync), a mode's own measure of its step's cost that the forward's
+and backward's spread between iterations does not move, as it moves the shares.
 """
 
 from __future__ import annotations

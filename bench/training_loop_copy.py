@@ -72,8 +72,13 @@ class Copy:
         if timed:
             self.iter_s.append(seconds)
             if marks.events:
-                for phase, ms in zip(PHASES, marks.ms(), strict=True):
+                phases = marks.ms()
+                for phase, ms in zip(PHASES, phases, strict=True):
                     self.phase_ms.setdefault(phase, []).append(ms)
+                # What the iteration took after the clip: the step, zero_grad() and the
+                # copies the step left running, up to the sync (the device's start is the
+                # host's: the first event follows a sync).
+                self.phase_ms.setdefault(AFTER_CLIP, []).append(seconds * 1e3 - sum(phases))
         return loss
 
     def record(self, loss: torch.Tensor, step: Stopwatch | None) -> None:
@@ -99,6 +104,7 @@ class Copy:
 
 
 PHASES = ("forward", "backward", "clip")
+AFTER_CLIP = "after clip"
 
 
 class Marks:

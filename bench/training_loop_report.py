@@ -154,14 +154,23 @@ def eager_lines(rows: dict, twins: dict[str, str]) -> list[str]:
     return lines
 
 
-def phase_lines(rows: dict) -> list[str]:
-    """Each mode's median device ms of forward, backward and clip (CUDA runs)."""
+AFTER_CLIP = "after clip"  # training_loop_copy.AFTER_CLIP
+
+
+def phase_lines(rows: dict, against: str = "dion_resident") -> list[str]:
+    """Each mode's median device ms of forward, backward and clip and what the iteration took
+    after the clip (CUDA runs); that last beside ``against``'s, both less ``no_step``'s."""
+    after = {n: r.get("median_phase_ms", {}).get(AFTER_CLIP) for n, r in rows.items()}
+    base, theirs = after.get("no_step") or 0.0, after.get(against)
     lines = []
     for name, r in rows.items():
         phases = r.get("median_phase_ms")
         if phases:
             cells = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
-            lines.append(f"{name}: device ms before the step: {cells}")
+            line = f"{name}: device ms: {cells}"
+            if theirs is not None and theirs > base and name not in ("no_step", against):
+                line += f"; after clip / {against}'s: {(after[name] - base) / (theirs - base):.3f}"
+            lines.append(line)
     return lines
 
 

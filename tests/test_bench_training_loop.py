@@ -128,3 +128,19 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
         assert row["host_over_step"] == row["median_host_ms"] / row["median_step_ms"] == 1.0
         assert f"\n{eager}: host {row['median_host_ms']:.2f} ms" in table
         assert f"(graphed, {graphed}: host " in table
+
+
+def test_phase_lines_set_each_mode_after_the_clip_against_dions():
+    from _bench_import import import_bench
+
+    (report,) = import_bench("training_loop_report")
+    rows = {
+        "no_step": {"median_phase_ms": {"forward": 100.0, "after clip": 1.0}},
+        "ours_offload_int8": {"median_phase_ms": {"forward": 101.0, "after clip": 51.0}},
+        "dion_resident": {"median_phase_ms": {"forward": 99.0, "after clip": 101.0}},
+        "torch_adamw": {"median_iter_s": 0.3},  # no phases (a CPU run): no line
+    }
+    lines = report.phase_lines(rows)
+    assert len(lines) == 3 and lines[0].startswith("no_step: device ms: forward 100.0")
+    assert lines[1].endswith("after clip 51.0; after clip / dion_resident's: 0.500")
+    assert "/" not in lines[0] and "/" not in lines[2]
