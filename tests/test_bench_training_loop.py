@@ -99,7 +99,8 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
         assert len(row["step_ms"]) == len(row["host_ms"]) == 2 * ROUNDS * ITERS
         for key in ("median_step_ms", "median_host_ms", "first_step_s", "first_step_host_s"):
             assert _finite(row[key]) and row[key] > 0, key
-        assert row["median_step_ms"] / 1e3 <= row["max_iter_s"]
+        # A step lies inside its iteration, or inside its back-to-back block.
+        assert max(row["step_ms"]) / 1e3 <= max(row["max_iter_s"], max(row["run_s"]) * ITERS)
         if name in EAGER:  # cuda_graph=False: no graph statistics
             assert row["graph"] is None
         elif name in OURS:  # on the CPU every step is eager, warm-up included
