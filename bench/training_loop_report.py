@@ -8,6 +8,7 @@ import shlex
 import statistics
 
 import torch
+from training_loop_copy import AFTER_CLIP
 from transformers_step import gib
 
 from muon_offload.tools.bench import machine
@@ -152,9 +153,6 @@ def eager_lines(rows: dict, twins: dict[str, str]) -> list[str]:
             f"the eager host {num(over_graphed, '.0%')} of it)"
         )
     return lines
-
-
-AFTER_CLIP = "after clip"  # training_loop_copy.AFTER_CLIP
 
 
 def phase_lines(rows: dict, against: str = "dion_resident") -> list[str]:

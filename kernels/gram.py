@@ -61,8 +61,8 @@ GRAM_CONFIGS = (
     Config(block=128, chunk=64, num_warps=4, num_stages=5, tma=True, flatten=True),
     # Two programs a SM (4 warps, 3 stages: 96 KiB of shared memory each): one's epilogue,
     # a tile and its mirror stored, overlaps the other's K loop, which for K = M = 1024 is
-    # only 16 steps (H200, bench/product_configs.py: 128 x 1024^2 0.271 ms against 0.292
-    # for one such program a SM; 96 x 512x1024 on .mT 0.062 against 0.069).
+    # only 16 steps (H200, bench/product_configs.py: 128 x 1024^2 0.271 ms against 0.278
+    # for the best with one program a SM; 96 x 512x1024 on .mT 0.062 against 0.066).
     Config(
         block=128, chunk=64, num_warps=4, num_stages=3, tma=True, flatten=True, programs_per_sm=2
     ),
