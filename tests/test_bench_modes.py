@@ -152,3 +152,21 @@ def test_torchao_refusal_is_not_a_traceback(tmp_path):
     assert proc.returncode == 2 and not proc.stdout
     assert "muon-offload bench: error: --torchao-offload" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_state_dict_cost_reads_every_tensor_state_dict_returns():
+    """``state_dict()`` also returns each parameter's step count (0-d): the read-through buffer
+    holds it beside the state, even where the host slabs hold exactly the state's bytes (the
+    qwen3 bench's offloaded fp32 mode overran the buffer by its step counts)."""
+    from muon_offload.tools.bench.modes import state_dict_cost
+
+    class Saved:
+        def state_dict(self):
+            return {"state": {0: {"step": torch.tensor(3.0), "m": torch.ones(5, 3)}}}
+
+        def host_buffers(self):
+            return [torch.zeros(60, dtype=torch.uint8)]  # the 15 fp32 of m, no padding
+
+    cost = state_dict_cost(Saved(), Clock(torch.device("cpu")))
+    assert cost["state_bytes"] == 60
+    assert cost["read_through_state_dict_s"] >= 0 and cost["read_slabs_s"] >= 0

@@ -107,7 +107,8 @@ def state_dict_cost(opt, clock: Clock) -> dict:
     # The state's bytes; the per-parameter step counts (0-d tensors) are not state to stream.
     nbytes = sum(v.numel() * v.element_size() for v in tensors if v.dim())
     host = opt.host_buffers()
-    buffer = torch.empty(max(nbytes, sum(h.numel() for h in host)), dtype=torch.uint8)
+    read = sum(v.numel() * v.element_size() for v in tensors)  # with the 0-d step counts
+    buffer = torch.empty(max(read, sum(h.numel() for h in host)), dtype=torch.uint8)
     buffer.fill_(1)  # fault the pages in before timing
 
     def copy_all(sources) -> float:
