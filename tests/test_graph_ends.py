@@ -8,7 +8,7 @@ import pytest
 import torch
 from _graph_emulator import RecordingGraph
 from test_graph_fresh_grads import BF16_GRADS, INT8_SHAPES, SHAPES, _backward, _muon
-from test_scheduler import _before, _chunks, _Cuda, _expected, _update
+from test_scheduler import _before, _chunks, _Cuda, _Event, _expected, _update
 
 from muon_offload.engine.graph_ends import SplitStep, tail_of
 from muon_offload.engine.prefetch import first_loads
@@ -105,26 +105,37 @@ def test_a_step_nobody_prefetches_is_captured_whole(monkeypatch, asked):
 
 class _StandInGraph:
     """A graph on test_scheduler's stand-in streams: ``capture`` runs the body as a capture
-    (each wait names an event recorded in it); ``replay`` queues one node on the current
-    stream, the whole graph (a replay completes as a whole on the stream it is launched on)."""
+    (each wait names an event recorded in it, or an external one: a wait node);
+    ``replay`` queues one node on the current stream, the whole graph (a replay completes as a
+    whole on the stream it is launched on), after the last records of the external events it
+    waits for, and records the external events recorded in its capture."""
 
     def __init__(self, cuda, sched):
         self.cuda, self.sched, self.replayed = cuda, sched, []
+        self.records, self.waited = [], []
 
     def capture(self, body):
         streams = self.cuda.streams(self.sched)
         for s in streams:
             s.waits = []
         start, self.cuda.capturing = len(self.cuda.log), True
+        recorded = len(_Event.recorded)
         try:
             body()
         finally:
             self.cuda.capturing = False
+        self.records = _Event.recorded[recorded:]
         for s in streams:
-            assert all(w.deps[-1].index >= start for w in s.waits), s.name
+            inner = [w for w in s.waits if not w.event.external]
+            assert all(w.deps[-1].index >= start for w in inner), s.name
+            self.waited += [w.event for w in s.waits if w.event.external]
 
     def replay(self):
-        self.replayed.append(self.cuda.current._add())
+        node = self.cuda.current._add()
+        node.deps += [event.node for event in self.waited]
+        for event in self.records:
+            event.node = node
+        self.replayed.append(node)
 
     def reset(self):
         pass
@@ -161,6 +172,10 @@ def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_fo
     assert stored == [c for c in range(len(transfers)) if c not in ends]
     for j, waits in enumerate(sched.layout.waits):
         assert not ends & set(waits), j
+    # Each of the tail's stores waits for its chunk's update through an external event that
+    # the main graph records (the main graph waits for none, records no other).
+    assert main.records == tail.waited and len(tail.waited) == len(ends)
+    assert not head.records + head.waited + main.waited + tail.records
     sched.timeline = None
     last_tail = None
     for s in range(4):

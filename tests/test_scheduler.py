@@ -169,6 +169,7 @@ class _Stream:
     def wait_event(self, event):
         assert event.node is not None, "a wait on an event never recorded"
         self.waits.append(self._add(event.node))
+        self.waits[-1].event = event
 
     def wait_stream(self, other):
         self._add(other.last)
@@ -178,11 +179,16 @@ class _Stream:
 
 
 class _Event:
-    def __init__(self, enable_timing=False):
+    def __init__(self, enable_timing=False, external=False):
         self.node = None
+        self.external = external  # recorded or waited for as a graph's node (graph_ends.py)
+
+    recorded: list = []  # the external events recorded, in order (graph stand-ins read it)
 
     def record(self, stream):
         self.node = stream._add()
+        if self.external:
+            _Event.recorded.append(self)
 
 
 class _Cuda:

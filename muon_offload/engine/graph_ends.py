@@ -13,7 +13,11 @@ instead as
   *tail* left out;
 - the *tail*: the stores of the chunks whose staging bytes no later load of the run takes
   (``tail_of``: in no load's waits; the last ring's slots), which the main graph so need not
-  finish.
+  finish. Each waits for its chunk's update through an external event (CUDA's event record
+  and wait nodes): the main graph records it at the update's end, the tail's wait node names
+  it, so a store starts under the updates after it, as in an eager step, and not at the main
+  graph's end (a synchronized loop waited 4 ms after an offloaded 8-bit step's main graph
+  when the tail waited for all of it).
 
 Each is captured as the main graph alone was (graphs.py), in one step, under one key: a key
 change drops all three, a capture miss in any gives graphs up. Their replays are ordered by
@@ -21,18 +25,21 @@ plain events recorded and waited on outside any capture:
 
     h2d stream       [waits: last tail's end] head  (from prefetch(): under backward)
     compute stream   ... backward ... [waits: head's end] main | forward ...
-    d2h stream                               [waits: main's end] tail | ...
+    d2h stream                          tail [each store waits: its update in main] | ...
 
-- The head's loads write arena bytes and read host state: the last step's tail (and through it
-  its main graph, every update and store of that step) ends first; backward's work is not
+- The head's loads write arena bytes and read host state: the last step's tail ends first
+  (and through it every update and store of a streamed chunk of that step: the tail's last
+  store follows the last streamed chunk's update, after its load, which the loads before it
+  and the stores they waited for precede); backward's work is not
   waited for, except when the step replays the head itself (no ``prefetch()`` before it), or
   the last step joined its stores (eager, or a capture): then the h2d stream waits for
   whatever the compute stream queued before, as ``prefetch.issue`` does.
 - The main graph follows the head (its updates read the head's bytes; its own loads take
   bytes whose last holders it waits for inside the graph, after the head's chunks).
-- The tail follows the main graph's end (every update of its chunks); the compute stream does
-  not wait for it. Its end is what the next head, an eager step's loads (``prefetch.take``),
-  and every host reader (``finish``: the d2h stream) wait for, as ``ahead.stores``.
+- The tail's stores follow their chunks' updates (launched after the main graph, its wait
+  nodes name that replay's records); the compute stream does not wait for it. Its end is
+  what the next head, an eager step's loads (``prefetch.take``), and every host reader
+  (``finish``: the d2h stream) wait for, as ``ahead.stores``.
 
 Only a step whose first loads were asked for ahead (``prefetch()``, the backward hook: the
 scheduler's ``ahead.asked``) is split (graph_runner.py): without anything beside its ends, one
@@ -58,10 +65,15 @@ def tail_of(layout) -> frozenset[int]:
     return frozenset(k for k in range(len(layout.offsets)) if k not in taken)
 
 
-def _copy(sched, chunks: list[int], load: bool) -> None:
+def _copy(sched, chunks: list[int], load: bool, after: list | None = None) -> None:
     """Copy ``chunks``' host bytes into their arena bytes (``load``) or back, on the current
-    stream (a capture's: inside a graph, no other stream orders them)."""
-    for chunk in chunks:
+    stream (a capture's: inside a graph, no other stream orders them); ``after[i]``: an event
+    the copy of ``chunks[i]`` waits for first (None: none)."""
+    stream = torch.cuda.current_stream(sched.device) if sched.cuda else None
+    for i, chunk in enumerate(chunks):
+        event = after[i] if after else None
+        if event is not None:
+            stream.wait_event(event)
         for host, staged in sched._staged(chunk)[1]:
             if load:
                 staged.copy_(host, non_blocking=sched.cuda)
@@ -76,7 +88,8 @@ class SplitStep:
     def __init__(self, new_graph: Callable[[], object], sched, transfers, side) -> None:
         self.sched, self.transfers, self.side = sched, transfers, side
         self.head, self.main, self.tail = new_graph(), new_graph(), new_graph()
-        self._ends = [torch.cuda.Event() for _ in range(2)] if sched.cuda else None
+        self._head_end = torch.cuda.Event() if sched.cuda else None
+        self._split = None  # the last capture's: its events live as long as the graphs
 
     @property
     def pool_bytes(self) -> int:
@@ -88,12 +101,12 @@ class SplitStep:
         streamed = sched.prepare(self.transfers, self.side)
         n = prefetch.first_loads(sched.layout)
         self.head.capture(lambda: _copy(sched, streamed[:n], True))
-        split = sched.ahead.split = prefetch.Split(n, tail_of(sched.layout))
+        split = self._split = sched.ahead.split = prefetch.Split(n, tail_of(sched.layout))
         try:
             self.main.capture(body)
         finally:
             sched.ahead.split = None
-        self.tail.capture(lambda: _copy(sched, split.deferred, False))
+        self.tail.capture(lambda: _copy(sched, split.deferred, False, split.updated))
 
     def prefetch(self) -> bool:
         """Replay the head (once before each main replay) on the h2d stream."""
@@ -110,14 +123,15 @@ class SplitStep:
             prefetch.wait_stores(sched)  # the last tail's end
             with torch.cuda.stream(h2d):
                 self.head.replay()
-            self._ends[0].record(h2d)
+            self._head_end.record(h2d)
         else:
             self.head.replay()
         sched.ahead.headed = self.head  # till the main replay, or another run, takes the arena
 
     def replay(self) -> None:
         """The step: the head (unless prefetched), the main graph on the current stream, the
-        tail on the d2h stream after it, left running."""
+        tail on the d2h stream, its stores after their updates in the main graph, left
+        running."""
         sched = self.sched
         if sched.ahead.headed is not self.head:  # not prefetched, or an eager run since
             self._replay_head(True)
@@ -127,13 +141,10 @@ class SplitStep:
             self.main.replay()
             self.tail.replay()
             return
-        head_end, main_end = self._ends
         compute, d2h = torch.cuda.current_stream(sched.device), sched.d2h_stream
-        compute.wait_event(head_end)
+        compute.wait_event(self._head_end)
         self.main.replay()
-        main_end.record(compute)
-        d2h.wait_event(main_end)
-        with torch.cuda.stream(d2h):
+        with torch.cuda.stream(d2h):  # launched after the main graph: waits for its records
             self.tail.replay()
         prefetch.record_stores(sched, [d2h])
 

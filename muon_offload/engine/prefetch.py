@@ -69,19 +69,31 @@ class Ahead:
 class Split:
     """A run captured between a head and a tail graph: its first ``head`` streamed chunks are
     loaded by the head graph, the stores of the streamed chunks in ``tail`` (by place among the
-    streamed) are left to the tail graph, which queues the chunks listed in ``deferred``."""
+    streamed) are left to the tail graph, which queues the chunks listed in ``deferred``, each
+    after the event in ``updated`` that the main graph records at the end of its update."""
 
     def __init__(self, head: int, tail: frozenset) -> None:
         self.head, self.tail = head, tail
         self.deferred: list[int] = []  # chunk indices, in run order
+        # External events (CUDA): recorded by the main graph's replay, waited for by the
+        # tail's; None on the CPU. Kept as long as the graphs that name them.
+        self.updated: list = []
 
 
-def defer(sched, k: int, chunk: int) -> bool:
-    """Whether the store of the k-th streamed chunk (``chunk``) is left to a tail graph."""
+def defer(sched, k: int, chunk: int, stream=None) -> bool:
+    """Whether the store of the k-th streamed chunk (``chunk``) is left to a tail graph; if so,
+    its update's end on ``stream`` (CUDA) is recorded for the tail's store to wait for."""
     split = sched.ahead.split
     if split is None or k not in split.tail:
         return False
     split.deferred.append(chunk)
+    event = None
+    if stream is not None:
+        # An external event: captured as a record node of the main graph that a wait node of
+        # the tail graph names (an internal one would join the main graph's streams instead).
+        event = torch.cuda.Event(external=True)
+        event.record(stream)
+    split.updated.append(event)
     return True
 
 

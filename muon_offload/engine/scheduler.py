@@ -325,7 +325,7 @@ class StreamScheduler:
                 update(i, views)
                 end_stage(marks, stream)
                 self._updated[k].record(stream)
-            if prefetch.defer(self, k, i):  # to the tail graph: no load waits for it
+            if prefetch.defer(self, k, i, stream):  # to the tail graph: no load waits for it
                 continue
             d2h = self.side_d2h_stream if side else self.d2h_stream
             with torch.cuda.stream(d2h):
