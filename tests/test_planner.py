@@ -299,10 +299,14 @@ def test_units_batch_same_shape_up_to_the_budget():
 
 
 def test_one_unit_per_chunk_to_everything_in_one():
+    """A budget over the step: one chunk, resident; streamed, one of each kind (the matrix
+    units' and the element-wise ones')."""
     rng = random.Random(11)
     params = _random_params(rng)
     everything = _plan(params, 10**12)
-    assert len(everything.chunks) == 1
+    assert [holds_matrices(c) for c in everything.chunks] == [True, False]
+    resident = [dataclasses.replace(p, resident=True) for p in params]
+    assert len(_plan(resident, 10**12).chunks) == 1
     tiny = _plan(params, 1)
     assert all(len(c.units) == 1 for c in tiny.chunks)
 

@@ -27,13 +27,16 @@ no algorithm by name: each parameter says whether its algorithm is element-wise
 - A single matrix larger than ``chunk_bytes`` (a 2-D parameter, or one matrix of a stack)
   becomes a unit and a chunk of its own.
 - Within each part (resident, streamed) matrix units are packed first, then element-wise
-  parameters. A plan lists its chunks in the order they run: the resident ones first, as
-  packed; then the streamed ones, with the chunks that hold only element-wise units spread
-  among those that hold matrix units (``_interleave``), so that the arithmetic of the matrix
-  chunks (Muon's orthogonalization) hides the transfers of element-wise ones, which have
-  almost no arithmetic. ``elementwise_only`` names the chunks that hold no matrix unit: the
-  scheduler runs their updates on a stream of their own, beside the matrix chunks'
-  (scheduler.py).
+  parameters; a streamed chunk holds one kind only (a resident one may hold both). A plan
+  lists its chunks in the order they run: the resident ones first, as packed; then the
+  streamed ones, with the chunks that hold only element-wise units spread among those that
+  hold matrix units (``_interleave``), so that the arithmetic of the matrix chunks (Muon's
+  orthogonalization) hides the transfers of element-wise ones, which have almost no
+  arithmetic. ``elementwise_only`` names the chunks that hold no matrix unit: the scheduler
+  runs their updates on a stream of their own, beside the matrix chunks' (scheduler.py).
+- A step's plan then has the streamed matrix chunks at its two ends halved at matrix
+  boundaries (taper.py): the first chunk's load and the last chunk's store are what no
+  update hides.
 - State that stays on the GPU (resident) crosses no bus, so its chunks only sequence the
   work: they take their own budget, ``resident_chunk_bytes``, larger by default (settings.py),
   so that matrix batches are larger and a resident step issues fewer launches.
@@ -165,9 +168,9 @@ def plan_step(
 
     Resident chunks come first. Within each part, units are packed matrix units first, then
     element-wise parameters; groups keep their order, matrix units keep their parameters'
-    first-seen order, and element-wise parameters keep theirs. The streamed chunks then run
-    in ``_interleave``'s order; the resident ones run as packed (they cross no bus, so there
-    is nothing to hide).
+    first-seen order, and element-wise parameters keep theirs. The streamed chunks then run in
+    ``_interleave``'s order; the resident ones run as packed (they cross no bus, so there is
+    nothing to hide).
     """
     chunks: list[Chunk] = []
     oversized: list[int] = []
@@ -183,8 +186,14 @@ def plan_step(
         for item in _units_in_order(part, budget, [] if resident else oversized):
             if isinstance(item, MatrixUnit):
                 packer.add_matrix(item)
-            else:
-                packer.add_elementwise(item)
+                continue
+            if not resident and packer.units and isinstance(packer.units[-1], MatrixUnit):
+                # A streamed chunk of both kinds ran last (the element-wise parameters fill
+                # the last matrix chunk's room) and on the compute lane: its element-wise
+                # transfers, long against their update, were the step's unhidden end (125 MiB
+                # of AdamW state in a Qwen3-MoE step). Alone, they run among the others.
+                packer.close()
+            packer.add_elementwise(item)
         packed = packer.finish()
         chunks.extend(packed if resident else _interleave(packed))
     return Plan(tuple(chunks), tuple(oversized))
@@ -200,8 +209,8 @@ def elementwise_only(plan: Plan) -> tuple[bool, ...]:
     """Per chunk of ``plan``, in run order: whether it holds no matrix unit. Such a chunk
     issues no collective and its update is memory-bound (no matrix products), so it may run
     beside the matrix chunks' compute-bound updates (the scheduler's side stream). A chunk that
-    holds both (the element-wise units packed into the last matrix chunk) counts as a matrix
-    chunk."""
+    holds both (resident: the element-wise units packed into the last matrix chunk) counts as
+    a matrix chunk."""
     return tuple(not holds_matrices(c) for c in plan.chunks)
 
 
@@ -231,8 +240,8 @@ def _interleave(chunks: list[Chunk]) -> list[Chunk]:
     collectives in the same order (``distributed.run_tasks`` issues them in task order,
     ``chunks.run_chunk`` runs a chunk's units in order). Element-wise units issue no
     collective; their chunks are cut on local sizes, so their number and place may differ
-    by rank. The weights of matrix chunks count matrix units only, equal on every rank; the
-    element-wise units that share the last matrix chunk ride with it. With no matrix chunk,
+    by rank. The weights of matrix chunks count matrix units only, equal on every rank (a
+    streamed chunk holds no element-wise unit beside them). With no matrix chunk,
     or no element-wise-only chunk, the order is the packed one. Chunks are independent (each
     updates its own parameters' elements), so the order changes no result.
     """
