@@ -16,6 +16,7 @@ from .planner import Plan, elementwise_only, plan_step
 from .scheduler import Transfer
 from .step_counts import split_by_count
 from .step_work import StepWork
+from .taper import taper
 from .transfer import plan_transfers
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class StepPlanner:
             settings.resident_chunk_bytes,
             settings.elementwise_chunk_bytes,
         )
+        plan = taper(plan, infos, settings.chunk_bytes)  # the ends of the streamed step
         oversized = [work[i] for i in plan.oversized]
         _say_oversized(oversized, self._oversized_logged, settings.chunk_bytes)
         transfers = _transfers(plan, state, store, work)
