@@ -9,6 +9,7 @@ import pytest
 import torch
 from _mixed_runs import assert_bitwise, mixed_run
 
+from muon_offload import Muon
 from muon_offload.engine import taper as taper_module
 from muon_offload.engine.planner import MatrixUnit, ParamInfo, holds_matrices, plan_step
 from muon_offload.engine.taper import TAPER_FLOOR, taper
@@ -152,3 +153,29 @@ def test_a_tapered_step_equals_the_resident_step_bitwise(monkeypatch, backend):
     plan = cut[1]._plans.last[1][0]
     assert len(_sizes(plan)) > 3, plan
     assert_bitwise(cut, resident)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("state_dtype", [None, torch.int8])
+def test_a_tapered_step_equals_the_resident_step_bitwise_on_the_gpu(state_dtype):
+    """At sizes the floor tapers (40 MiB chunks of 2 MiB matrices, the first halved to 20 MiB;
+    the last two, 16 MiB each, stay), the Triton kernels, CUDA graphs and streams: three steps
+    of fresh gradients equal the resident ones bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    init = [torch.randn(512, 1024, generator=gen, device="cuda") for _ in range(48)]
+    init += [torch.randn(8, 512, 1024, generator=gen, device="cuda"), torch.randn(4099).cuda()]
+    runs = []
+    for kwargs in ({}, dict(offload=True, chunk_bytes=40 << 20)):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        groups = [dict(params=params[:-1]), dict(params=params[-1:], algorithm="adamw")]
+        opt = Muon(groups, lr=0.02, weight_decay=0.05, state_dtype=state_dtype, **kwargs)
+        for s in range(3):
+            g = torch.Generator(device="cuda").manual_seed(100 + s)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g, device="cuda")
+            opt.step()
+            opt.zero_grad()
+        runs.append((params, opt))
+    plan = runs[1][1]._plans.last[1][0]
+    assert [c.plan_bytes >> 20 for c in plan.chunks if holds_matrices(c)] == [20, 20, 40, 16, 16]
+    assert_bitwise(runs[1], runs[0])
