@@ -114,16 +114,21 @@ def test_resident_chunks_take_their_own_budget():
 def test_eager_muon_takes_larger_chunks_by_default():
     """Muon never captured (cuda_graph=False) defaults to 1 GiB resident chunks and, with
     8-bit state, 1 GiB streamed ones, where each step is bound by its launches (17 a Muon
-    batch); every other case keeps 128 MiB streamed and 512 MiB resident (AdamW alone: a
-    chunk is one launch, larger ones would only take more staging; fp32 and bf16 state: bound
-    by the link), and a given budget wins, through reconfigure too."""
+    batch); Muon with 8-bit state otherwise streams 512 MiB chunks (128 MiB of codes); every
+    other case keeps 128 MiB streamed and 512 MiB resident (AdamW alone: a chunk is one
+    launch, larger ones would only take more staging; fp32 and bf16 state: bound by the
+    link), and a given budget wins, through reconfigure too."""
     p = [torch.nn.Parameter(torch.randn(3, 3))]
     int8 = dict(offload=True, state_dtype=torch.int8)
     eager_int8 = Muon(p, **int8, cuda_graph=False)
     assert (eager_int8.chunk_bytes, eager_int8.resident_chunk_bytes) == (1 << 30, 1 << 30)
     assert Muon(p, cuda_graph=False).resident_chunk_bytes == 1 << 30
+    graphed_int8 = Muon(p, **int8)
+    assert (graphed_int8.chunk_bytes, graphed_int8.resident_chunk_bytes) == (512 << 20,) * 2
+    graphed = Settings.check(**int8, cuda_graph=True, batches_matrices=True)
+    assert (graphed.chunk_bytes, graphed.resident_chunk_bytes) == (512 << 20,) * 2
     for settings in (
-        dict(int8),
+        dict(offload=True),
         dict(offload=True, cuda_graph=False),
         dict(offload=True, state_dtype=torch.bfloat16, cuda_graph=False),
     ):
@@ -142,20 +147,21 @@ def test_eager_muon_takes_larger_chunks_by_default():
 
 
 def test_eager_int8_muon_holds_elementwise_chunks_to_a_quarter_of_its_chunks():
-    """At the eager 8-bit default (1 GiB chunks, 256 MiB of Muon codes staged a chunk) an
-    AdamW group's 8-bit state, budgeted at its own width, streams in chunks of at most
-    256 MiB, so that a large one does not size the staging arena at 3 x 1 GiB; never below
-    128 MiB, and nothing changes for graphed steps, for other state and for AdamW alone. The
-    plans take it (``plan_step``'s ``elementwise_chunk_bytes``)."""
+    """At the 8-bit defaults (1 GiB chunks eager, 512 MiB graphed: a quarter of that in Muon
+    codes staged a chunk) an AdamW group's 8-bit state, budgeted at its own width, streams in
+    chunks of at most a quarter of ``chunk_bytes``, so that a large one does not size the
+    staging arena at 3 x ``chunk_bytes``; never below 128 MiB, and nothing changes for other
+    state and for AdamW alone. The plans take it (``plan_step``'s
+    ``elementwise_chunk_bytes``)."""
     p = [torch.nn.Parameter(torch.randn(3, 3))]
     int8 = dict(offload=True, state_dtype=torch.int8)
     assert Muon(p, **int8, cuda_graph=False)._settings.now.elementwise_chunk_bytes == 256 << 20
+    assert Muon(p, **int8)._settings.now.elementwise_chunk_bytes == 128 << 20
     explicit = Muon(p, **int8, cuda_graph=False, chunk_bytes=256 << 20)
     assert explicit._settings.now.elementwise_chunk_bytes == 128 << 20
     small = Muon(p, **int8, cuda_graph=False, chunk_bytes=1000)
     assert small._settings.now.elementwise_chunk_bytes == 1000
     for opt in (
-        Muon(p, **int8),
         Muon(p, offload=True, cuda_graph=False, chunk_bytes=1 << 30),
         AdamW(p, **int8, cuda_graph=False, chunk_bytes=1 << 30),
     ):

@@ -29,6 +29,13 @@ DEFAULT_CHUNK_BYTES = 128 << 20
 # (the graphed step was 1.7% slower at that size); 1 GiB cut its launches from 258 to 139
 # and its host time further, for 0.4 GiB more peak memory.
 DEFAULT_EAGER_CHUNK_BYTES = 1 << 30
+# Muon with 8-bit state, its steps replayed as graphs: 512 MiB at the fp32 width Muon budgets
+# 8-bit state at (128 MiB of codes a chunk, batches as large as the resident step's), the
+# ends tapered (taper.py). On the H200 (docs/benchmarks.md, "The ends of a streamed step")
+# against 128 MiB: the Qwen3-MoE training loop's step 50.9 ms after the clip against 52.3
+# (0.496 and 0.510 of dion's Muon), the qwen3-30b-a3b-ep8-rank step 1.06 x the resident one
+# against 1.12 x, for 0.2 GiB more staging.
+DEFAULT_INT8_CHUNK_BYTES = 512 << 20
 # Resident state crosses no bus: its chunks only set how many matrices share a batch and a
 # launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
 # is the orthogonalizer's workspace, which scales with the batch.
@@ -42,8 +49,9 @@ SETTINGS_DOC = f"""
         offload: keep optimizer state in pinned host memory and stream it through the GPU in
             chunks during ``step()``.
         chunk_bytes: state bytes per chunk (default {DEFAULT_CHUNK_BYTES >> 20} MiB; with 8-bit
-            state, Muon and ``cuda_graph=False``, {DEFAULT_EAGER_CHUNK_BYTES >> 20} MiB: steps
-            issued eagerly are bound by their launches, and larger chunks need fewer).
+            state and Muon, {DEFAULT_INT8_CHUNK_BYTES >> 20} MiB, counted at fp32 width, and
+            {DEFAULT_EAGER_CHUNK_BYTES >> 20} MiB with ``cuda_graph=False``: steps issued
+            eagerly are bound by their launches, and larger chunks need fewer).
         resident_bytes: with offload, this much state stays on the GPU (default 0).
         resident_chunk_bytes: state bytes updated together where none is streamed (resident
             state: all of it without offload): default {DEFAULT_RESIDENT_CHUNK_BYTES >> 20} MiB
@@ -77,8 +85,8 @@ def default_chunk_bytes(
     """``chunk_bytes`` when none is given (the constants' comments say why). Larger eager
     chunks pay where units are many launches each (batches of matrices); an element-wise
     chunk is one launch, and larger ones would only take more staging memory."""
-    if state_dtype == torch.int8 and eager_batches(cuda_graph, batches_matrices):
-        return DEFAULT_EAGER_CHUNK_BYTES
+    if state_dtype == torch.int8 and batches_matrices:
+        return DEFAULT_EAGER_CHUNK_BYTES if cuda_graph is False else DEFAULT_INT8_CHUNK_BYTES
     return DEFAULT_CHUNK_BYTES
 
 
@@ -137,13 +145,13 @@ class Settings:
     @property
     def elementwise_chunk_bytes(self) -> int:
         """Element-wise state a streamed chunk holds at most. Where Muon budgets 8-bit state
-        at fp32 width and no graph replays the step (the eager 8-bit default's large chunks), a
-        matrix chunk stages a quarter of ``chunk_bytes`` in codes; element-wise state, budgeted
-        at its own width, is held to that quarter (at least DEFAULT_CHUNK_BYTES), so that large
-        AdamW groups do not size the staging arena (three of the largest chunk) at 3 x
-        ``chunk_bytes``. An element-wise unit is one launch whatever its size, so the cap costs
-        a launch per extra chunk at most. Elsewhere: ``chunk_bytes``."""
-        if self.state_dtype == torch.int8 and eager_batches(self.cuda_graph, self.batches_matrices):
+        at fp32 width (the 8-bit defaults' large chunks), a matrix chunk stages a quarter of
+        ``chunk_bytes`` in codes; element-wise state, budgeted at its own width, is held to
+        that quarter (at least DEFAULT_CHUNK_BYTES), so that large AdamW groups do not size the
+        staging arena (three of the largest chunk) at 3 x ``chunk_bytes``. An element-wise
+        unit is one launch whatever its size, so the cap costs a launch per extra chunk at
+        most. Elsewhere: ``chunk_bytes``."""
+        if self.state_dtype == torch.int8 and self.batches_matrices:
             return min(self.chunk_bytes, max(self.chunk_bytes // 4, DEFAULT_CHUNK_BYTES))
         return self.chunk_bytes
 
