@@ -119,7 +119,7 @@ def equivalence(rank, world, port):
 
     # Every rank cuts the same Muon chunks and runs them in the same order: compare the plans
     # across ranks (element-wise chunks, cut on local sizes and with no collective, run
-    # between them and may fall elsewhere on another rank: planner._interleave).
+    # between them and may fall elsewhere on another rank: planner.interleave).
     plan = next(iter(tiny[1]._plans.values()))[0]
     muon_chunks = [[u for u in c.units if u.algorithm == "muon"] for c in plan.chunks]
     muon_chunks = [units for units in muon_chunks if units]

@@ -359,7 +359,7 @@ MIXED_SHAPES += [(1031,), (257, 13), (3,), (129,), (4099,)]
 
 @pytest.mark.parametrize("resident_bytes", [None, 12_000])
 def test_interleaved_muon_and_elementwise_chunks_equal_resident_bitwise(resident_bytes):
-    """Streamed element-wise chunks run between the Muon ones (planner._interleave), and a
+    """Streamed element-wise chunks run between the Muon ones (planner.interleave), and a
     split AdamW parameter's pieces in chunks of their own: each chunk updates its own
     elements, so the result is bitwise the resident, unchunked step's, over several steps."""
     from muon_offload.engine.planner import ElementwiseUnit, holds_matrices

@@ -139,7 +139,7 @@ def _check_plan(params, plan, chunk_bytes, resident_chunk_bytes=None):
     for index, ranges in matrix_seen.items():
         _covers_exactly(ranges, by_index[index].matrices)
     # Element-wise parameters covered exactly, without overlap (the chunks holding a
-    # parameter's segments need not run in the segments' order: ``_interleave``).
+    # parameter's segments need not run in the segments' order: ``interleave``).
     for index, ranges in covered.items():
         _covers_exactly(ranges, by_index[index].numel)
     # Resident chunks first.
@@ -317,9 +317,9 @@ def _plan(params, budget: int):
 
 
 def _packed(monkeypatch, *args):
-    """The plan with its chunks in packing order (``_interleave`` left out)."""
+    """The plan with its chunks in packing order (``interleave`` left out)."""
     with monkeypatch.context() as m:
-        m.setattr(planner, "_interleave", lambda chunks: chunks)
+        m.setattr(planner, "interleave", lambda chunks: chunks)
         return plan_step(*args)
 
 
@@ -331,7 +331,7 @@ def _check_interleaved(plan, packed):
     """``plan`` runs ``packed``'s chunks: resident ones first and unchanged, matrix-holding and
     element-wise-only ones each in their packed order, the element-wise ones spread so that
     after each matrix chunk the element-wise bytes issued are within half the largest
-    element-wise chunk of their share (``_interleave``'s rule)."""
+    element-wise chunk of their share (``interleave``'s rule)."""
     assert Counter(plan.chunks) == Counter(packed.chunks)  # the packing is unchanged
     assert plan.oversized == packed.oversized
     n_resident = sum(c.resident for c in packed.chunks)

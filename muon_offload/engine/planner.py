@@ -30,7 +30,7 @@ no algorithm by name: each parameter says whether its algorithm is element-wise
   parameters; a streamed chunk holds one kind only (a resident one may hold both). A plan
   lists its chunks in the order they run: the resident ones first, as packed; then the
   streamed ones, with the chunks that hold only element-wise units spread among those that
-  hold matrix units (``_interleave``), so that the arithmetic of the matrix chunks (Muon's
+  hold matrix units (``interleave``), so that the arithmetic of the matrix chunks (Muon's
   orthogonalization) hides the transfers of element-wise ones, which have almost no
   arithmetic. ``elementwise_only`` names the chunks that hold no matrix unit: the scheduler
   runs their updates on a stream of their own, beside the matrix chunks' (scheduler.py).
@@ -169,7 +169,7 @@ def plan_step(
     Resident chunks come first. Within each part, units are packed matrix units first, then
     element-wise parameters; groups keep their order, matrix units keep their parameters'
     first-seen order, and element-wise parameters keep theirs. The streamed chunks then run in
-    ``_interleave``'s order; the resident ones run as packed (they cross no bus, so there is
+    ``interleave``'s order; the resident ones run as packed (they cross no bus, so there is
     nothing to hide).
     """
     chunks: list[Chunk] = []
@@ -195,7 +195,7 @@ def plan_step(
                 packer.close()
             packer.add_elementwise(item)
         packed = packer.finish()
-        chunks.extend(packed if resident else _interleave(packed))
+        chunks.extend(packed if resident else interleave(packed))
     return Plan(tuple(chunks), tuple(oversized))
 
 
@@ -214,7 +214,7 @@ def elementwise_only(plan: Plan) -> tuple[bool, ...]:
     return tuple(not holds_matrices(c) for c in plan.chunks)
 
 
-def _interleave(chunks: list[Chunk]) -> list[Chunk]:
+def interleave(chunks: list[Chunk]) -> list[Chunk]:
     """The order streamed chunks run in: the chunks that hold matrix units in their packed
     order, with the element-wise-only chunks (in their packed order) spread among them.
 
@@ -272,7 +272,7 @@ def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: li
 
     Matrix units are packed first so that under sharding, where element-wise parameters are
     cut on local sizes, the matrix units (and so the collectives) fall into the same chunks
-    on every rank (``_interleave`` then changes the order chunks run in, not their
+    on every rank (``interleave`` then changes the order chunks run in, not their
     contents). A group has one algorithm, so its first member says whether it is element-wise."""
     groups: dict[int, list[ParamInfo]] = {}
     for p in params:
@@ -290,14 +290,14 @@ def _units_in_order(params: Sequence[ParamInfo], chunk_bytes: int, oversized: li
             for p in bucket:
                 for piece, nbytes in _pieces(p, chunk_bytes, chunk_bytes - unit_bytes):
                     if unit and unit_bytes + nbytes > chunk_bytes:
-                        yield _matrix_unit(group, algorithm, unit, unit_bytes)
+                        yield matrix_unit(group, algorithm, unit, unit_bytes)
                         unit, unit_bytes = [], 0
                     unit.append((p.index, piece))
                     unit_bytes += nbytes
                     if nbytes > chunk_bytes and p.index not in oversized[-1:]:
                         oversized.append(p.index)
             if unit:
-                yield _matrix_unit(group, algorithm, unit, unit_bytes)
+                yield matrix_unit(group, algorithm, unit, unit_bytes)
     for members in groups.values():
         if members[0].elementwise:
             yield from members
@@ -331,7 +331,7 @@ def _pieces(p: ParamInfo, chunk_bytes: int, room: int) -> list[tuple[Matrices | 
     return out
 
 
-def _matrix_unit(group: int, algorithm: str, items: list, nbytes: int) -> MatrixUnit:
+def matrix_unit(group: int, algorithm: str, items: list, nbytes: int) -> MatrixUnit:
     """A unit of (parameter index, piece) items; whole parameters only: no ``pieces``."""
     pieces = tuple(piece for _, piece in items)
     return MatrixUnit(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .planner import Chunk, Matrices, ParamInfo, Plan, _interleave, _matrix_unit, holds_matrices
+from .planner import Chunk, Matrices, ParamInfo, Plan, holds_matrices, interleave, matrix_unit
 
 # Halving stops at an eighth of the budget, and never below this many plan bytes: a transfer
 # that size takes at most 0.3 ms on a PCIe 5 link (fp32 state), less than the extra batches
@@ -23,7 +23,7 @@ TAPER_FLOOR = 16 << 20
 def taper(plan: Plan, params: Sequence[ParamInfo], chunk_bytes: int) -> Plan:
     """``plan`` (``plan_step``'s, of ``params`` with streamed budget ``chunk_bytes``) with its
     streamed matrix chunks tapered at both ends (``taper_ends``) and the element-wise-only
-    chunks spread among them again (``planner._interleave``); resident chunks as they were."""
+    chunks spread among them again (``planner.interleave``); resident chunks as they were."""
     streamed = [c for c in plan.chunks if not c.resident]
     infos = {p.index: p for p in params}
     matrix = taper_ends([c for c in streamed if holds_matrices(c)], infos, chunk_bytes)
@@ -31,7 +31,7 @@ def taper(plan: Plan, params: Sequence[ParamInfo], chunk_bytes: int) -> Plan:
         return plan
     others = [c for c in streamed if not holds_matrices(c)]
     resident = [c for c in plan.chunks if c.resident]
-    return Plan((*resident, *_interleave(matrix + others)), plan.oversized)
+    return Plan((*resident, *interleave(matrix + others)), plan.oversized)
 
 
 def taper_ends(chunks: list[Chunk], infos: dict, budget: int) -> list[Chunk]:
@@ -115,5 +115,5 @@ def _rebuild(chunk: Chunk, items: list, infos: dict) -> Chunk:
             for index, a, b in mine
         ]
         nbytes = sum(_share(infos[index], a, b) for index, a, b in mine)
-        units.append(_matrix_unit(unit.group, unit.algorithm, pieces, nbytes))
+        units.append(matrix_unit(unit.group, unit.algorithm, pieces, nbytes))
     return Chunk(tuple(units), sum(x.plan_bytes for x in units), chunk.resident)
