@@ -179,3 +179,20 @@ def test_a_tapered_step_equals_the_resident_step_bitwise_on_the_gpu(state_dtype)
     plan = runs[1][1]._plans.last[1][0]
     assert [c.plan_bytes >> 20 for c in plan.chunks if holds_matrices(c)] == [20, 20, 40, 16, 16]
     assert_bitwise(runs[1], runs[0])
+
+
+def test_steps_never_captured_keep_their_plan_and_others_taper(monkeypatch):
+    """``cuda_graph=False`` Muon steps are bound by their host's launches: their plan keeps
+    its ends (more batches would cost launches there); ``"auto"`` tapers; AdamW alone has no
+    matrix chunk to taper (its setting says so all the same)."""
+    from muon_offload import AdamW
+
+    gen = torch.Generator().manual_seed(4)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    monkeypatch.setattr(taper_module, "TAPER_FLOOR", 1)
+    _, opt = mixed_run(init, 3, 2, 40, steps=1, offload=True, chunk_bytes=40_000)
+    tapered = _sizes(opt._plans.last[1][0])
+    eager = mixed_run(init, 3, 2, 40, steps=1, offload=True, chunk_bytes=40_000, cuda_graph=False)
+    assert not eager[1]._settings.now.tapers and opt._settings.now.tapers
+    assert len(_sizes(eager[1]._plans.last[1][0])) < len(tapered)
+    assert AdamW([torch.nn.Parameter(torch.ones(3))], cuda_graph=False)._settings.now.tapers

@@ -143,6 +143,14 @@ class Settings:
     batches_matrices: bool = False
 
     @property
+    def tapers(self) -> bool:
+        """Whether a step's plan has its streamed ends halved (taper.py): not for steps never
+        captured that update batches of matrices, whose time is their host's launches (the
+        eager 8-bit default's 1 GiB chunks would take six more batches, about a hundred
+        launches, for ends that its host-bound pace hides anyway)."""
+        return not eager_batches(self.cuda_graph, self.batches_matrices)
+
+    @property
     def elementwise_chunk_bytes(self) -> int:
         """Element-wise state a streamed chunk holds at most. Where Muon budgets 8-bit state
         at fp32 width (the 8-bit defaults' large chunks), a matrix chunk stages a quarter of

@@ -75,6 +75,7 @@ class StepPlanner:
             tuple((h.algorithm, h.flatten, h.split_sizes, h.num_heads) for h in hypers),
             settings.chunk_bytes,
             settings.resident_chunk_bytes,
+            settings.tapers,
             classes,
         )
         found = self.cache.find(key)
@@ -94,7 +95,8 @@ class StepPlanner:
             settings.resident_chunk_bytes,
             settings.elementwise_chunk_bytes,
         )
-        plan = taper(plan, infos, settings.chunk_bytes)  # the ends of the streamed step
+        if settings.tapers:
+            plan = taper(plan, infos, settings.chunk_bytes)  # the ends of the streamed step
         oversized = [work[i] for i in plan.oversized]
         _say_oversized(oversized, self._oversized_logged, settings.chunk_bytes)
         transfers = _transfers(plan, state, store, work)
