@@ -143,6 +143,24 @@ def equivalence(rank, world, port):
     _finish()
 
 
+def mesh_keeps_its_ends(rank, world, port):
+    """A step on a mesh of several ranks keeps its ends (engine/step_plans.py): its units
+    issue collectives, which the taper's extra units would multiply; the same parameters on
+    each rank alone are tapered (the floor lowered to these sizes)."""
+    from muon_offload.engine import step_plans
+    from muon_offload.engine import taper as taper_module
+
+    mesh = init(rank, world, port)
+    taper_module.TAPER_FLOOR = 1
+    tapered, real = [], step_plans.taper
+    step_plans.taper = lambda *args: tapered.append(args) or real(*args)
+    run(mesh, True, steps=1, chunk_bytes=4096, offload=True)
+    assert tapered == []
+    run(mesh, False, steps=1, chunk_bytes=4096, offload=True)
+    assert tapered
+    _finish()
+
+
 def without_list_all_to_all(rank, world, port):
     """gloo before torch 2.12 has no list-form all_to_all (pytorch PR 165435): the sharded
     exchange must not need it. Same result as the plain run of ``equivalence``."""

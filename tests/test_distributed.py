@@ -19,6 +19,10 @@ def test_sharded_and_replicated_step(world):
     _spawn(dist_workers.equivalence, world)
 
 
+def test_a_step_on_a_mesh_keeps_its_ends():
+    _spawn(dist_workers.mesh_keeps_its_ends, 2)
+
+
 def test_sharded_exchange_needs_no_list_all_to_all():
     _spawn(dist_workers.without_list_all_to_all, 2)
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
+from ..distributed import DTensor
 from .algorithm import Hyper
 from .chunks import ChunkLayout, chunk_layout, chunk_state
 from .planner import Plan, elementwise_only, plan_step
@@ -95,7 +96,7 @@ class StepPlanner:
             settings.resident_chunk_bytes,
             settings.elementwise_chunk_bytes,
         )
-        if settings.tapers:
+        if settings.tapers and _on_one_rank(work, mesh_of):
             plan = taper(plan, infos, settings.chunk_bytes)  # the ends of the streamed step
         oversized = [work[i] for i in plan.oversized]
         _say_oversized(oversized, self._oversized_logged, settings.chunk_bytes)
@@ -105,6 +106,14 @@ class StepPlanner:
         side = elementwise_only(plan)
         self.cache.keep(key, (plan, transfers, layouts, side, work.pairs_only()))
         return plan, transfers, layouts, side
+
+
+def _on_one_rank(work: StepWork, mesh_of) -> bool:
+    """Whether no parameter of the step lives on a mesh of several ranks. Steps that do keep
+    their ends (taper.py): each unit there issues collectives, which more, smaller units
+    would multiply, and their steps run eagerly unless ``cuda_graph=True`` (capture_rules.py:
+    a graph across processes only when asked for)."""
+    return all(mesh_of(gi).size == 1 and not isinstance(p, DTensor) for gi, p in work)
 
 
 def _say_oversized(oversized: list, logged: set, chunk_bytes: int) -> None:
