@@ -39,8 +39,8 @@ def taper_ends(chunks: list[Chunk], infos: dict, budget: int) -> list[Chunk]:
     boundaries: from the end backwards, a chunk with ``after`` plan bytes of chunks after it
     is halved while it holds ``2 * max(after, floor)`` or more (and more than one matrix;
     ``floor``: an eighth of the budget, at least TAPER_FLOOR); the start is the mirror image
-    (``before``). A step of full chunks B so ends
-    ..., B, B/2, B/4, B/8, B/8 and starts B/8, B/8, B/4, B/2, B, ...
+    (``before``). A step of full chunks B so ends ..., B, B/2, B/4, B/8, B/8 and starts B/8,
+    B/8, B/4, B/2, B, ...
 
     Why: no update runs before the first chunk's load nor after the last chunk's store, so
     those transfers are the step's unhidden ends (a synchronized loop waits for the store:
@@ -72,7 +72,7 @@ def _halve(chunk: Chunk, infos: dict) -> tuple[Chunk, Chunk] | None:
     """``chunk`` cut at the matrix boundary nearest half its plan bytes (each half keeps at
     least one matrix; a unit cut there becomes two of the same group and algorithm), or None
     where it holds one matrix (or one piece that cannot be cut: a matrix, packed rows)."""
-    items = []  # (unit, parameter, first matrix, stop, bytes of [first, j) for j up to stop)
+    items = []  # (unit, parameter, its matrices [start, stop) here), in run order
     for u, unit in enumerate(chunk.units):
         for k, index in enumerate(unit.params):
             p, piece = infos[index], unit.piece(k)
