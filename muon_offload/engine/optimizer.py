@@ -80,6 +80,7 @@ class ChunkedOptimizer(Optimizer):
     state_dtype = Setting()
     backend = Setting()
     cuda_graph = Setting()
+    prefetch_bytes = Setting()
 
     # What tools read, and new chunk budgets (``introspect.Tools``).
     host_state_bytes = Delegated("_tools", Tools.host_state_bytes)
@@ -129,7 +130,7 @@ class ChunkedOptimizer(Optimizer):
         self._store = store = StateStore()
         self._counts = counts = StepCounts()
         self._handed_scales = handed = HandedScales()
-        self._streams = streams = Streams(store)  # the scheduler, made for the step's device
+        self._streams = streams = Streams(store, live)  # the scheduler, made for the step's device
         policy = self.state_policy(settings.state_dtype)
         self._states = states = StateBuilder(
             self.algorithms, policy, live, store, counts, plans, streams, handed

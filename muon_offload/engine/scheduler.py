@@ -117,11 +117,14 @@ class StreamScheduler:
     """Runs chunks through load -> update -> store, staged in one arena of device bytes.
     ``side_lane``: chunks marked ``side`` run on the side lane (False: all on the main lane)."""
 
-    def __init__(self, device: torch.device, ring: int = 3, side_lane: bool = True):
+    def __init__(self, device: torch.device, ring=3, side_lane=True, staging=None) -> None:
         if ring < 2:
             raise ValueError(f"the staging arena needs room for at least 2 chunks, got {ring}")
         self.device = torch.device(device)
         self.ring = ring  # the arena holds ``ring`` chunks of the largest size
+        # staging(n): bytes the arena holds at least for a step streaming n (its chunks end to
+        # end): the loads and stores that backward and forward hide (``Settings.staging_for``).
+        self.staging: Callable[[int], int] | None = staging
         self.cuda = self.device.type == "cuda"
         self.side_lane = side_lane
         self._arena: Tensor | None = None
@@ -159,10 +162,11 @@ class StreamScheduler:
     def staging_bytes(self) -> int:
         return self._arena.numel() if self._arena is not None else 0
 
-    def reserve(self, nbytes: int, slots: int) -> None:
-        """Size the arena for ``slots`` chunks (at most ``ring``) of up to ``nbytes`` each;
-        reallocates only when it must grow."""
+    def reserve(self, nbytes: int, slots: int, at_least: int = 0) -> None:
+        """Size the arena for ``slots`` chunks (at most ``ring``) of up to ``nbytes`` each, and
+        ``at_least`` bytes; reallocates only when it must grow."""
         need = min(self.ring, max(slots, 1)) * align_up(nbytes, ARENA_ALIGN)
+        need = max(need, align_up(at_least, ARENA_ALIGN))
         if self._arena is not None and need <= self._arena.numel():
             return
         if self.cuda and self._arena is not None:
@@ -195,7 +199,9 @@ class StreamScheduler:
             self._layout = None
             self._view_cache.clear()
             self._memos.clear()
-        self.reserve(max(self._sizes, default=0), len(self._sizes))
+        end_to_end = sum(align_up(n, ARENA_ALIGN) for n in self._sizes)
+        at_least = self.staging(end_to_end) if self.staging is not None else 0
+        self.reserve(max(self._sizes, default=0), len(self._sizes), at_least)
         if self._layout is None:
             lanes = [self._on_side[i] for i in self._streamed]
             self._layout = place(self._sizes, self.staging_bytes, lanes)

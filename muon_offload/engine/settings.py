@@ -40,6 +40,18 @@ DEFAULT_INT8_CHUNK_BYTES = 512 << 20
 # launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
 # is the orthogonalizer's workspace, which scales with the batch.
 DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
+# Muon with 8-bit state loads a third of the bytes a step streams ahead by default
+# (prefetch_bytes), at most 2 GiB: the staging arena holds that much (or its ring of three of
+# the step's largest chunks, if more). Its first bytes load under backward (prefetch.py), its
+# last ones store under the next forward (graph_ends.py), and in a step nothing prefetched
+# (one graph) loads run that far ahead of updates, which evens out chunks of more compute
+# with chunks of more bytes. On the H200 (docs/benchmarks.md, "Loaded ahead"): the
+# qwen3-30b-a3b-ep8-rank 8-bit step 1.03 x the resident one (1.06 to 1.10 x with the ring) for
+# +0.84 GiB, the Qwen3-MoE training loop's 48.1 ms against 49.1 for +0.06 GiB. Other state
+# keeps the ring alone: fp32 state staged a third ahead (+1.34 GiB) took 7 ms off that loop's
+# 116 ms step and nothing off the qwen3 one (+1.6 GiB), too little for the memory.
+DEFAULT_PREFETCH_SHARE = 3
+DEFAULT_PREFETCH_CAP = 2 << 30
 STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)
 
 # What each setting does, once: the docstrings of the classes that take them end with it
@@ -68,8 +80,14 @@ SETTINGS_DOC = f"""
             ``False``: never. The graph's memory pool (about one step's temporaries) is kept
             from the caching allocator; see docs/usage.md ("CUDA graphs").
         prefetch: with offload, the first gradient accumulated in backward starts loading the
-            next step's first chunks of state (``prefetch()``; default True; eager CUDA steps
-            only: a CUDA graph runs its own loads). ``False``: no hooks.
+            next step's first chunks of state (``prefetch()``; default True). ``False``: no
+            hooks.
+        prefetch_bytes: with offload, how much of the next step's state loads ahead of it
+            (under backward, with ``prefetch``), and as much of a step's last stores is left
+            to finish under the next forward: the device bytes that stage streamed state (or
+            the step's ring of three of its largest chunks, if more). None (default): for
+            ``Muon`` with 8-bit state a third of the state a step streams, at most
+            {DEFAULT_PREFETCH_CAP >> 30} GiB; otherwise 0, the ring alone.
 """
 
 
@@ -127,6 +145,7 @@ class SettingsArgs(TypedDict, total=False):
     backend: str
     cuda_graph: bool | str
     prefetch: bool
+    prefetch_bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -139,6 +158,7 @@ class Settings:
     backend: str
     cuda_graph: bool | str = "auto"
     prefetch: bool = True  # backward starts the next step's first loads (prefetch.py)
+    prefetch_bytes: int | None = None  # None: a share of the streamed state (``staging_for``)
     # Some algorithm updates batches of whole matrices (Muon): from the engine, not the user.
     batches_matrices: bool = False
 
@@ -149,6 +169,16 @@ class Settings:
         eager 8-bit default's 1 GiB chunks would take six more batches, about a hundred
         launches, for ends that its host-bound pace hides anyway)."""
         return not eager_batches(self.cuda_graph, self.batches_matrices)
+
+    def staging_for(self, streamed_bytes: int) -> int:
+        """Device bytes to stage a step streaming ``streamed_bytes`` in, at least (the arena
+        holds the step's ring of chunks if that is more): ``prefetch_bytes``, or its default
+        (``DEFAULT_PREFETCH_SHARE``'s comment), never more than the step streams."""
+        if self.prefetch_bytes is None:
+            if not (self.state_dtype == torch.int8 and self.batches_matrices):
+                return 0
+            return min(streamed_bytes // DEFAULT_PREFETCH_SHARE, DEFAULT_PREFETCH_CAP)
+        return min(self.prefetch_bytes, streamed_bytes)
 
     @property
     def elementwise_chunk_bytes(self) -> int:
@@ -175,6 +205,7 @@ class Settings:
         backend: str = "auto",
         cuda_graph: bool | str = "auto",
         prefetch: bool = True,
+        prefetch_bytes: int | None = None,
         backends: Sequence[str] = BACKENDS,
         batches_matrices: bool = False,
     ) -> Settings:
@@ -199,6 +230,8 @@ class Settings:
         resident_chunk_bytes = check_positive_int("resident_chunk_bytes", resident_chunk_bytes)
         if resident_bytes is not None:
             resident_bytes = as_int("resident_bytes", resident_bytes, 0, "an int >= 0 or None")
+        if prefetch_bytes is not None:
+            prefetch_bytes = as_int("prefetch_bytes", prefetch_bytes, 0, "an int >= 0 or None")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(
                 "state_dtype must be None, torch.float32, torch.bfloat16 or torch.int8, got "
@@ -216,6 +249,7 @@ class Settings:
             backend=backend,
             cuda_graph=cuda_graph,
             prefetch=prefetch,
+            prefetch_bytes=prefetch_bytes,
             batches_matrices=batches_matrices,
         )
 

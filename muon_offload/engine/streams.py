@@ -13,23 +13,39 @@ from .prefetch import finish
 from .scheduler import StreamScheduler
 
 if TYPE_CHECKING:
+    from .settings import LiveSettings
     from .state import StateStore
 
 
 class Streams:
     """Holds the scheduler the steps run through, and what ``timeline()`` records into."""
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, settings: LiveSettings) -> None:
         self._store = store  # whose state is streamed: only then is there anything to wait for
+        self._settings = settings
         self.scheduler: StreamScheduler | None = None
+        self._sizing = self._sizing_of(settings.now)  # what sized the scheduler's arena
         self.marks: list | None = None  # the chunk stages to record (``Tools.timeline``)
 
     def for_step(self, device: torch.device) -> StreamScheduler:
-        """The scheduler of a step on ``device`` (a new one if the device changed)."""
-        if self.scheduler is None or self.scheduler.device != device:
-            self.scheduler = StreamScheduler(device)
+        """The scheduler of a step on ``device``: a new one if the device changed, or what
+        sizes the staging beyond its ring (``prefetch_bytes``, ``state_dtype``: see
+        ``Settings.staging_for``); an arena only grows, so a smaller one is a new one."""
+        sizing = self._sizing_of(self._settings.now)
+        sched = self.scheduler
+        if sched is None or sched.device != device or sizing != self._sizing:
+            self.synchronize()  # the old arena's loads and stores finished first
+            settings = self._settings
+            self.scheduler = StreamScheduler(
+                device, staging=lambda streamed: settings.now.staging_for(streamed)
+            )
+            self._sizing = sizing
         self.scheduler.timeline = self.marks
         return self.scheduler
+
+    @staticmethod
+    def _sizing_of(settings) -> tuple:
+        return settings.prefetch_bytes, settings.state_dtype
 
     def synchronize(self) -> None:
         """Wait for in-flight write-backs (and loads), so host state can be read by the CPU:
