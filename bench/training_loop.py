@@ -109,15 +109,21 @@ MODES = (
     "ours_offload_int8_512mib",
     "ours_offload_int8_512mib_eager",
     "ours_offload_int8_128mib",
+    "ours_offload_fp32_ring",
+    "ours_offload_fp32_3gib",
+    "ours_offload_int8_ring",
     "dion_resident",
     "torch_adamw",
 )
-# Run only when named in --modes: other chunk sizes against the defaults (graphed 8-bit Muon:
-# 512 MiB; eager: 1 GiB).
+# Run only when named in --modes: other chunk sizes and prefetch_bytes against the defaults
+# (graphed 8-bit Muon: 512 MiB chunks; eager: 1 GiB; prefetch_bytes: a third of the state).
 OPTIONAL = (
     "ours_offload_int8_512mib",
     "ours_offload_int8_512mib_eager",
     "ours_offload_int8_128mib",
+    "ours_offload_fp32_ring",
+    "ours_offload_fp32_3gib",
+    "ours_offload_int8_ring",
 )
 OURS = {
     "ours_resident": dict(offload=False),
@@ -128,6 +134,11 @@ OURS = {
     "ours_offload_int8_512mib": dict(offload=True, state_dtype=torch.int8, chunk_bytes=512 << 20),
     # the fp32 states' 128 MiB: 32 MiB of codes a chunk (the 8-bit default before 512 MiB)
     "ours_offload_int8_128mib": dict(offload=True, state_dtype=torch.int8, chunk_bytes=128 << 20),
+    # prefetch_bytes=0: staging of three chunks alone (the ring), as before the default loaded
+    # a third of the streamed state ahead; and more than the default for fp32 state
+    "ours_offload_fp32_ring": dict(offload=True, prefetch_bytes=0),
+    "ours_offload_fp32_3gib": dict(offload=True, prefetch_bytes=3 << 30),
+    "ours_offload_int8_ring": dict(offload=True, state_dtype=torch.int8, prefetch_bytes=0),
 }
 # Twins of graphed modes with ``cuda_graph=False``: every step eager, as a first step, a
 # closure or a changed set of gradients runs; their host ms is what the host takes to issue it.
