@@ -11,7 +11,7 @@ import torch
 
 from muon_offload import AdamW, Muon
 from muon_offload.engine.group_checks import check_grad
-from muon_offload.engine.settings import Settings, SettingsArgs
+from muon_offload.engine.settings import ENGINE_ONLY, Settings, SettingsArgs
 
 SHAPES = [(24, 40), (40, 24), (24, 40), (3, 8, 12), (77,), (5,)]
 
@@ -256,7 +256,6 @@ def test_methods_of_the_optimizers_parts_are_its_own():
 
 
 # What the engine tells Settings.check of its algorithms: not the user's to set.
-ENGINE_ONLY = ("backends", "batches_matrices")
 
 
 @pytest.mark.parametrize("cls", [Muon, AdamW])
@@ -270,6 +269,8 @@ def test_settings_in_signature_and_docstring(cls):
             assert shown[name].kind is inspect.Parameter.KEYWORD_ONLY
             assert shown[name].default == setting.default, name
             assert re.search(rf"^    {name}: ", doc, flags=re.M), name
+        else:  # the engine's own: passed by the class, not the user's to give
+            assert name not in shown, name
     with pytest.raises(TypeError, match="chunk_size"):
         cls(_model()[:1], chunk_size=1024)
     # What type checkers see (``**settings: Unpack[SettingsArgs]``) names the same settings,

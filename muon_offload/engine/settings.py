@@ -288,6 +288,10 @@ class Setting:
         opt._settings.now = opt._settings.changed(**{self.name: value})
 
 
+# ``Settings.check``'s arguments that the engine passes (its algorithms'), not the user.
+ENGINE_ONLY = ("backends", "batches_matrices")
+
+
 def takes_settings(cls):
     """For a class whose ``__init__`` ends with ``**settings`` (passed on to ``Settings.check``):
     its signature (``inspect.signature``, ``help``) shows each setting as a keyword argument
@@ -296,7 +300,7 @@ def takes_settings(cls):
     settings = inspect.signature(Settings.check).parameters.values()
     cls.__init__.__signature__ = inspect.Signature(
         [p for p in own if p.kind is not p.VAR_KEYWORD]
-        + [p for p in settings if p.name != "backends"]
+        + [p for p in settings if p.name not in ENGINE_ONLY]
     )
     cls.__doc__ = (cls.__doc__ or "") + SETTINGS_DOC
     return cls
