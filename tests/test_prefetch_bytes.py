@@ -108,3 +108,52 @@ def test_the_default_is_a_third_of_8_bit_muon_state_at_most_2_gib_else_none():
     given = Settings.check(offload=True, prefetch_bytes=5 << 20)
     assert given.staging_for(3 << 20) == 3 << 20  # never more than the step streams
     assert given.staging_for(30 << 30) == 5 << 20
+
+
+def _critical_path(monkeypatch, staging, ahead: bool):
+    """The step's time on test_scheduler's stand-in streams when each load and store takes its
+    bytes (one link each way) and each update a fifth of them (a link-bound step, as fp32
+    state's): the longest path of the dependency graph the scheduler queues, with the next
+    step's first loads queued ahead (``prefetch.issue``: done before the step) or not.
+    Returns (that time, the bytes loaded ahead, the largest chunk's). A transfer's bytes vary
+    by a few with its host address's residue (transfer.py): bounds, not equalities."""
+    from test_scheduler import _chunks, _Cuda
+
+    from muon_offload.engine import prefetch
+
+    cuda = _Cuda(monkeypatch)
+    sizes = [256, 256, 512, 1024] + [2048] * 24 + [1024, 512, 256, 256]  # tapered ends
+    _, _, transfers = _chunks(sizes)
+    sched = cuda.scheduler(staging=staging)
+    sched.run(transfers, lambda i, views: cuda.current._add())
+    if ahead:
+        prefetch.issue(sched, transfers, None)
+    start, marks = len(cuda.log), []
+    sched.timeline = marks
+    sched.run(transfers, lambda i, views: cuda.current._add())
+    cost = {}
+    for c, stage, _, end in marks:
+        cost[end.node.index] = transfers[c].nbytes * (0.2 if stage == "update" else 1.0)
+    done = {}
+    for node in cuda.log:  # in queued order: every dependency first
+        before = max((done[d.index] for d in node.deps), default=0.0)
+        done[node.index] = 0.0 if node.index < start else before + cost.get(node.index, 0.0)
+    updated = max(done[end.node.index] for _, stage, _, end in marks if stage == "update")
+    n = prefetch.first_loads(sched.layout) if ahead else 0
+    return updated, sum(t.nbytes for t in transfers[:n]), max(t.nbytes for t in transfers)
+
+
+@pytest.mark.parametrize("chunks_ahead", [8, 16])
+def test_loads_ahead_come_off_the_steps_critical_path(monkeypatch, chunks_ahead):
+    """What the arena holds beyond its ring (``chunks_ahead`` of the 32 chunks' bytes) is
+    loaded under backward and taken off the step: with the loads ahead, the longest path of
+    the step's dependency graph is shorter than without them by their transfer time, less two
+    chunks' (the step's first loads wait for the stores of the chunks loaded ahead, whose bytes
+    they take). The ring alone, three chunks, takes next to nothing off: its first loads after
+    the wrap wait for the stores of the chunks it loaded ahead."""
+    staging = lambda n: n * chunks_ahead // 32  # noqa: E731
+    alone, _, _ = _critical_path(monkeypatch, staging, ahead=False)
+    step, loaded, largest = _critical_path(monkeypatch, staging, ahead=True)
+    assert loaded > 0 and step <= alone - (loaded - 2 * largest), (step, alone, loaded)
+    if chunks_ahead == 16:
+        assert step < 0.7 * alone
