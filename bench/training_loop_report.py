@@ -69,9 +69,12 @@ def summary(copies: dict) -> dict:
 
 
 def graphs(stats: dict | None) -> str:
+    """Captures / replays / eager steps / replays whose first loads ran ahead (under
+    backward: the heads that ``prefetch()`` replayed)."""
     if stats is None:
         return "-"
-    return f"{stats['captures']}/{stats['replays']}/{stats['eager_steps']}"
+    ahead = stats.get("heads_ahead", 0)
+    return f"{stats['captures']}/{stats['replays']}/{stats['eager_steps']}/{ahead}"
 
 
 COLUMNS = (
@@ -83,7 +86,7 @@ COLUMNS = (
     ("step ms", ">8"),
     ("host ms", ">8"),
     ("first s", ">7"),
-    ("graph c/r/e", ">11"),
+    ("graph c/r/e/a", ">13"),
     ("peak GiB", ">8"),
     ("rsrvd GiB", ">9"),
     ("own GiB", ">7"),

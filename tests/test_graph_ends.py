@@ -75,6 +75,9 @@ def test_split_replays_with_prefetch_equal_the_eager_step_bitwise(monkeypatch, s
     # 6's prefetch, and 7 (the eager step 6 took the arena after it).
     assert [g.replays for g in made] == [4, 3, 3, 3, 2, 2]
     assert isinstance(opt._graphing.graphs.held, SplitStep)
+    # graph_stats() counts the held graph's: its capture's replay at 5 loads the head itself;
+    # at 6 and 7 it ran ahead (6's prefetch(); 7's backward hook, the arena taken at 6).
+    assert (stats["heads_ahead"], stats["heads_at_step"]) == (2, 1)
 
 
 @pytest.mark.parametrize("asked", [False, True], ids=["no-prefetch", "prefetch"])
@@ -101,6 +104,8 @@ def test_a_step_nobody_prefetches_is_captured_whole(monkeypatch, asked):
     assert (stats["captures"], stats["replays"], stats["off"]) == (1, 2, None)
     assert isinstance(opt._graphing.graphs.held, SplitStep) == asked
     assert len(made) == (3 if asked else 1)
+    # The capture's replay loads its head itself; the replays after it find it loaded ahead.
+    assert (stats["heads_ahead"], stats["heads_at_step"]) == ((2, 1) if asked else (0, 0))
 
 
 class _StandInGraph:

@@ -310,6 +310,7 @@ def test_gpu_graph_loop_with_prefetch_equals_loop_without_bitwise(
     assert (stats["captures"], stats["replays"], stats["off"]) == (1, 4, None), stats
     assert isinstance(ahead[1]._graphing.graphs.held, SplitStep)
     assert heads == [True, False, False, False, False]  # the capture's, then from backward
+    assert (stats["heads_ahead"], stats["heads_at_step"]) == (4, 1)
     assert_bitwise(ahead, _gpu_loop(False, **kwargs))
     assert_bitwise(ahead, _gpu_loop(False, cuda_graph=True, **kwargs))
     assert_bitwise(ahead, _gpu_loop(False, offload=False, **kwargs))

@@ -90,6 +90,9 @@ class SplitStep:
         self.head, self.main, self.tail = new_graph(), new_graph(), new_graph()
         self._head_end = torch.cuda.Event() if sched.cuda else None
         self._split = None  # the last capture's: its events live as long as the graphs
+        # Head replays from prefetch() (under backward) and by the step itself (nothing
+        # prefetched, or an eager run took the arena since): graph_stats() shows both.
+        self.heads_ahead = self.heads_at_step = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -116,6 +119,10 @@ class SplitStep:
 
     def _replay_head(self, at_step: bool) -> None:
         sched = self.sched
+        if at_step:
+            self.heads_at_step += 1
+        else:
+            self.heads_ahead += 1
         if sched.cuda:
             h2d = sched.h2d_stream
             if at_step or not sched.ahead.open:

@@ -99,8 +99,10 @@ class GraphRunner:
 
     def stats(self) -> dict | None:
         """With ``cuda_graph`` True or "auto": captures, replays, eager steps, whether a graph
-        is held, its memory pool's bytes (approximate: the reserved memory the capture added)
-        and why graphs were given up (None while they are not). None with False."""
+        is held, its memory pool's bytes (approximate: the reserved memory the capture added),
+        why graphs were given up (None while they are not), and, for the held graph of a step
+        that streams state, how often its first loads ran ahead of the step (``prefetch()``,
+        the backward hook) and how often the step loaded them itself. None with False."""
         if self._settings.now.cuda_graph is False:
             return None
         stats = (self.graphs or StepGraphs(torch.device("cpu"))).stats()

@@ -239,13 +239,18 @@ class StepGraphs:
         return self._graph
 
     def stats(self) -> dict:
+        graph = self._graph
         return {
             "captures": self.captures,
             "replays": self.replays,
             "eager_steps": self.eager_steps,
-            "captured": self._graph is not None,
+            "captured": graph is not None,
             "pool_bytes": self.pool_bytes,
             "off": self.off,
+            # The held split step's head replays (graph_ends.py): from prefetch(), under
+            # backward, and by the step itself, which then waits for all of its loads.
+            "heads_ahead": getattr(graph, "heads_ahead", 0),
+            "heads_at_step": getattr(graph, "heads_at_step", 0),
         }
 
     def step(self, key: GraphKey | None, why_not: str, layouts, body, ends=None) -> str:
