@@ -232,6 +232,25 @@ def test_bad_budgets_change_nothing():
     assert (opt.chunk_bytes, opt.resident_chunk_bytes) == (1024, 8192)
 
 
+FIXED = [("offload", False), ("state_dtype", torch.int8), ("resident_bytes", 1 << 20)]
+
+
+@pytest.mark.parametrize(("name", "value"), FIXED)
+def test_settings_the_state_is_made_by_are_fixed(name, value):
+    """Where state lives and its format are made with the optimizer (dion's Muon makes its
+    state at construction too): assigning one raises and says how to change it, rather than
+    leave the state as it was under a setting that says otherwise; nothing changes."""
+    params = _model()
+    opt = Muon(_groups(params), offload=True, chunk_bytes=2000)
+    _set_grads(params, 0)
+    opt.step()
+    before, settings = _snapshot(opt, params), opt._settings.now
+    with pytest.raises(AttributeError, match=f"{name} is fixed.*load this one's state_dict"):
+        setattr(opt, name, value)
+    assert opt._settings.now is settings
+    _assert_same(before, _snapshot(opt, params))
+
+
 DELEGATED = ("host_state_bytes", "host_buffers", "staging_bytes", "timeline", "reconfigure")
 DELEGATED += ("prefetch", "graph_stats")
 

@@ -72,12 +72,13 @@ class ChunkedOptimizer(Optimizer):
     step_count_key = "step"
 
     # The settings it was built with, as attributes (``prefetch`` is the method; its setting
-    # is ``Settings.prefetch``); assigned, checked as the constructor's were.
-    offload = Setting()
+    # is ``Settings.prefetch``); assigned, checked as the constructor's were. Those the state
+    # is made by (where it lives, its format) are fixed: assigning one raises.
+    offload = Setting(fixed=True)
     chunk_bytes = Setting()
     resident_chunk_bytes = Setting()
-    resident_bytes = Setting()
-    state_dtype = Setting()
+    resident_bytes = Setting(fixed=True)
+    state_dtype = Setting(fixed=True)
     backend = Setting()
     cuda_graph = Setting()
     prefetch_bytes = Setting()

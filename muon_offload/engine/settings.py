@@ -276,7 +276,12 @@ class LiveSettings:
 class Setting:
     """An optimizer attribute (``opt.chunk_bytes``) that is its settings' field: read from
     ``opt._settings.now`` (``LiveSettings``); assigned, it replaces them through the checks
-    (``Settings.replace``). ``prefetch`` is a method; its setting is ``Settings.prefetch``."""
+    (``Settings.replace``). ``prefetch`` is a method; its setting is ``Settings.prefetch``.
+    ``fixed``: a setting the state is made by (where it lives, its format), made with the
+    optimizer: assigning it raises, since the state would stay as it is."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        self.fixed = fixed
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -285,6 +290,12 @@ class Setting:
         return self if opt is None else getattr(opt._settings.now, self.name)
 
     def __set__(self, opt, value) -> None:
+        if self.fixed:
+            raise AttributeError(
+                f"{self.name} is fixed when the optimizer is made (its state is made with it "
+                f"and stays as it is): make a new optimizer with {self.name}={value!r} and load "
+                "this one's state_dict() into it (8-bit and dense state convert as they load)"
+            )
         opt._settings.now = opt._settings.changed(**{self.name: value})
 
 
