@@ -46,7 +46,7 @@ DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
 # last ones store under the next forward (graph_ends.py), and in a step nothing prefetched
 # (one graph) loads run that far ahead of updates, which evens out chunks of more compute
 # with chunks of more bytes. On the H200 (docs/benchmarks.md, "Loaded ahead"): the
-# qwen3-30b-a3b-ep8-rank 8-bit step 1.03 x the resident one (1.06 to 1.10 x with the ring) for
+# qwen3-30b-a3b-ep8-rank 8-bit step 1.03 x the resident one (1.06 to 1.08 x with the ring) for
 # +0.84 GiB, the Qwen3-MoE training loop's 48.1 ms against 49.1 for +0.06 GiB. Other state
 # keeps the ring alone: fp32 state staged a third ahead (+1.34 GiB) took 7 ms off that loop's
 # 116 ms step and nothing off the qwen3 one (+1.6 GiB), too little for the memory.
@@ -158,7 +158,7 @@ class Settings:
     backend: str
     cuda_graph: bool | str = "auto"
     prefetch: bool = True  # backward starts the next step's first loads (prefetch.py)
-    prefetch_bytes: int | None = None  # None: a share of the streamed state (``staging_for``)
+    prefetch_bytes: int | None = None  # None: the default (``staging_for``)
     # Some algorithm updates batches of whole matrices (Muon): from the engine, not the user.
     batches_matrices: bool = False
 
