@@ -154,7 +154,7 @@ def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_fo
     main graph, and the next forward does not wait for it; the next run's loads, an eager
     one's, wait for it. The main graph's capture loads only the chunks after the head, stores
     only those outside the tail (the stores no load waits for), and waits for no load event of
-    the head's chunks (none recorded in it)."""
+    the head's chunks (none recorded in it); the tail's stores wait for its stores."""
     cuda = _Cuda(monkeypatch)
     slab, tensors, transfers = _chunks([5000, 700, 64, 1300, 5000, 900, 2000])
     want = _expected(_expected(tensors))  # the capture's copies, then an eager run's
@@ -178,8 +178,16 @@ def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_fo
     for j, waits in enumerate(sched.layout.waits):
         assert not ends & set(waits), j
     # Each of the tail's stores waits for its chunk's update through an external event that
-    # the main graph records (the main graph waits for none, records no other).
-    assert main.records == tail.waited and len(tail.waited) == len(ends)
+    # the main graph records, and first for one it records after the last store of each store
+    # stream (the main graph waits for none, records no other).
+    assert sched.ahead.split is None  # the capture's, cleared
+    stored = split._split.stored
+    assert [e.node.stream for e in stored] == ["d2h", "side_d2h"]
+    assert tail.waited == stored + split._split.updated and len(tail.waited) == len(ends) + 2
+    assert sorted(map(id, main.records)) == sorted(map(id, tail.waited))
+    for _, stage, _, end in marks:  # the tail's stores follow the main graph's: a copy
+        if stage == "store":  # engine runs them beside those the step's loads wait for
+            assert any(_before(end.node, e.node) for e in stored)
     assert not head.records + head.waited + main.waited + tail.records
     sched.timeline = None
     last_tail = None

@@ -15,9 +15,11 @@ instead as
   (``tail_of``: in no load's waits; the last ring's slots), which the main graph so need not
   finish. Each waits for its chunk's update through an external event (CUDA's event record
   and wait nodes): the main graph records it at the update's end, the tail's wait node names
-  it, so a store starts under the updates after it, as in an eager step, and not at the main
-  graph's end (a synchronized loop waited 4 ms after an offloaded 8-bit step's main graph
-  when the tail waited for all of it).
+  it, so a store need not wait for the main graph's end (a synchronized loop waited 4 ms
+  after an offloaded 8-bit step's main graph when the tail waited for all of it). The first
+  waits, likewise, for the main graph's last store of each store stream
+  (``prefetch.stores_end``): beside them, the tail's stores took the copy engine from the
+  stores that the step's own loads wait for.
 
 Each is captured as the main graph alone was (graphs.py), in one step, under one key: a key
 change drops all three, a capture miss in any gives graphs up. Their replays are ordered by
@@ -36,8 +38,9 @@ plain events recorded and waited on outside any capture:
   whatever the compute stream queued before, as ``prefetch.issue`` does.
 - The main graph follows the head (its updates read the head's bytes; its own loads take
   bytes whose last holders it waits for inside the graph, after the head's chunks).
-- The tail's stores follow their chunks' updates (launched after the main graph, its wait
-  nodes name that replay's records); the compute stream does not wait for it. Its end is
+- The tail's stores follow their chunks' updates and the main graph's stores (launched
+  after the main graph, its wait nodes name that replay's records); the compute stream does
+  not wait for it. Its end is
   what the next head, an eager step's loads (``prefetch.take``), and every host reader
   (``finish``: the d2h stream) wait for, as ``ahead.stores``.
 
@@ -65,11 +68,14 @@ def tail_of(layout) -> frozenset[int]:
     return frozenset(k for k in range(len(layout.offsets)) if k not in taken)
 
 
-def _copy(sched, chunks: list[int], load: bool, after: list | None = None) -> None:
+def _copy(sched, chunks: list[int], load: bool, after: list | None = None, first=()) -> None:
     """Copy ``chunks``' host bytes into their arena bytes (``load``) or back, on the current
     stream (a capture's: inside a graph, no other stream orders them); ``after[i]``: an event
-    the copy of ``chunks[i]`` waits for first (None: none)."""
+    the copy of ``chunks[i]`` waits for first (None: none); ``first``: events every copy
+    waits for."""
     stream = torch.cuda.current_stream(sched.device) if sched.cuda else None
+    for event in first:
+        stream.wait_event(event)
     for i, chunk in enumerate(chunks):
         event = after[i] if after else None
         if event is not None:
@@ -109,7 +115,7 @@ class SplitStep:
             self.main.capture(body)
         finally:
             sched.ahead.split = None
-        self.tail.capture(lambda: _copy(sched, split.deferred, False, split.updated))
+        self.tail.capture(lambda: _copy(sched, split.deferred, False, split.updated, split.stored))
 
     def prefetch(self) -> bool:
         """Replay the head (once before each main replay) on the h2d stream."""

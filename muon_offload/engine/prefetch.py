@@ -78,6 +78,9 @@ class Split:
         # External events (CUDA): recorded by the main graph's replay, waited for by the
         # tail's; None on the CPU. Kept as long as the graphs that name them.
         self.updated: list = []
+        # One external event a store stream of the run, recorded after its last store in the
+        # main graph: the tail's first store waits for them all (``stores_end``).
+        self.stored: list = []
 
 
 def defer(sched, k: int, chunk: int, stream=None) -> bool:
@@ -95,6 +98,24 @@ def defer(sched, k: int, chunk: int, stream=None) -> bool:
         event.record(stream)
     split.updated.append(event)
     return True
+
+
+def stores_end(sched, streams: list) -> None:
+    """At the end of a main graph's capture: record an external event after the last store
+    queued on each of ``streams`` (the run's store streams), for the tail to wait for first.
+
+    The copy engine that writes device bytes to the host runs the copies of every stream,
+    roughly in the order they become ready: a tail store queued beside the main graph's own
+    would take the engine from a store that a load of the step waits for, while the tail's
+    are needed by no one before the next step. On the H200, an MoE step with 3 GiB loaded
+    ahead took 115 ms with its tail's stores beside its own and 58 ms with them after."""
+    split = sched.ahead.split
+    if split is None or not sched.cuda:
+        return
+    for stream in streams:
+        event = torch.cuda.Event(external=True)
+        event.record(stream)
+        split.stored.append(event)
 
 
 def issue(sched, transfers, side) -> int:
