@@ -57,7 +57,10 @@ backward and the clip (events on the current stream from the iteration's start):
 hooks or side streams slow backward shows it there against ``no_step``; and what is left of
 the iteration after the clip ("after clip": the step, ``zero_grad()`` and the copies the step
 leaves running, up to the sync), a mode's own measure of its step's cost that the forward's
-and backward's spread between iterations does not move, as it moves the shares.
+and backward's spread between iterations does not move, as it moves the shares. Back-to-back
+iterations record the same phases (the report's "back to back"): a forward that waits for
+what the last step left running (a small device-to-host copy it syncs on, queued on the copy
+engine behind the step's last stores) shows there against its synchronized figure.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ class Copy:
         self.losses: list[float] = []
         self.phase_ms: dict[str, list[float]] = {}  # synced CUDA iterations: GPU ms a phase
         self.run_s: list[float] = []  # back-to-back blocks: seconds an iteration
-        self.pending: list[tuple] = []  # back-to-back iterations' losses and stopwatches
+        # Back-to-back CUDA iterations: device ms a phase (the forward under what the last
+        # step left running: its stores, the host's queue).
+        self.b2b_phase_ms: dict[str, list[float]] = {}
+        self.pending: list[tuple] = []  # back-to-back iterations' losses, stopwatches, marks
         self.held = self.added = self.peak = self.reserved = None
 
     def iteration(
@@ -41,7 +44,7 @@ class Copy:
             group["lr"] = lr * cosine(self.done, self.total)
         if synced:
             meter.sync()
-        marks = Marks(meter.cuda and synced and timed)
+        marks = Marks(meter.cuda and timed)
         start = time.perf_counter()
         with torch.autocast(batch.device.type, dtype=torch.bfloat16):
             loss = model(input_ids=batch, labels=batch).loss
@@ -62,7 +65,7 @@ class Copy:
             opt.zero_grad()
         self.done += 1
         if not synced:  # read after the caller's sync
-            self.pending.append((loss.detach(), step if timed else None))
+            self.pending.append((loss.detach(), step if timed else None, marks))
             return loss
         meter.sync()
         seconds = time.perf_counter() - start
@@ -98,8 +101,11 @@ class Copy:
             self.iteration(tokens[self.done], meter, timed=True, synced=False)
         meter.sync()
         self.run_s.append((time.perf_counter() - start) / iters)
-        for loss, step in self.pending:
+        for loss, step, marks in self.pending:
             self.record(loss, step)
+            if marks.events:  # from the compute stream's start of the iteration: after the
+                for phase, ms in zip(PHASES, marks.ms(), strict=True):  # last one's work
+                    self.b2b_phase_ms.setdefault(phase, []).append(ms)
         self.pending.clear()
 
 

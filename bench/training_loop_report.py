@@ -46,6 +46,8 @@ def row(copy) -> dict:
         "host_state_gib": gib(getattr(opt, "host_state_bytes", None)),
         "median_phase_ms": {k: median(v) for k, v in copy.phase_ms.items()},
         "phase_ms": copy.phase_ms,
+        "median_b2b_phase_ms": {k: median(v) for k, v in copy.b2b_phase_ms.items()},
+        "b2b_phase_ms": copy.b2b_phase_ms,
         "median_run_s": median(copy.run_s),
         "run_s": copy.run_s,
         "last_loss": copy.losses[-1],
@@ -169,6 +171,9 @@ def phase_lines(rows: dict, against: str = "dion_resident") -> list[str]:
         if phases:
             cells = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
             line = f"{name}: device ms: {cells}"
+            b2b = r.get("median_b2b_phase_ms")
+            if b2b:
+                line += "; back to back: " + ", ".join(f"{k} {v:.1f}" for k, v in b2b.items())
             if theirs is not None and theirs > base and name not in ("no_step", against):
                 line += f"; after clip / {against}'s: {(after[name] - base) / (theirs - base):.3f}"
             lines.append(line)

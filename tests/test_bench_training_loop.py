@@ -91,6 +91,7 @@ def test_every_mode_has_a_row_with_finite_figures(run, kind):
         run_share = row["median_run_s"] - rows["no_step"]["median_run_s"]
         assert row["run_share_s"] == pytest.approx(run_share, rel=1e-12, abs=1e-15)
         assert row["phase_ms"] == {} and row["median_phase_ms"] == {}  # CUDA events only
+        assert row["b2b_phase_ms"] == {} and row["median_b2b_phase_ms"] == {}
         assert row["peak_allocated_gib"] is None and row["own_peak_gib"] is None  # no GPU
         if name == "no_step":
             assert row["step_share_s"] == 0.0 and row["median_step_ms"] is None
@@ -137,11 +138,15 @@ def test_phase_lines_set_each_mode_after_the_clip_against_dions():
     (report,) = import_bench("training_loop_report")
     rows = {
         "no_step": {"median_phase_ms": {"forward": 100.0, "after clip": 1.0}},
-        "ours_offload_int8": {"median_phase_ms": {"forward": 101.0, "after clip": 51.0}},
+        "ours_offload_int8": {
+            "median_phase_ms": {"forward": 101.0, "after clip": 51.0},
+            "median_b2b_phase_ms": {"forward": 131.5},
+        },
         "dion_resident": {"median_phase_ms": {"forward": 99.0, "after clip": 101.0}},
         "torch_adamw": {"median_iter_s": 0.3},  # no phases (a CPU run): no line
     }
     lines = report.phase_lines(rows)
     assert len(lines) == 3 and lines[0].startswith("no_step: device ms: forward 100.0")
-    assert lines[1].endswith("after clip 51.0; after clip / dion_resident's: 0.500")
+    assert "after clip 51.0; back to back: forward 131.5;" in lines[1]
+    assert lines[1].endswith("; after clip / dion_resident's: 0.500")
     assert "/" not in lines[0] and "/" not in lines[2]
