@@ -56,6 +56,7 @@ from torch import Tensor
 
 from . import prefetch
 from .host_slabs import ALIGN_BYTES, align_up
+from .staged_views import StagedViews
 from .timeline import end_stage, start_stage
 from .transfer import Transfer, plan_transfer  # noqa: F401 (its users import it from here)
 
@@ -138,9 +139,7 @@ class StreamScheduler:
         self._position: dict[int, int] = {}  # chunk index -> its place among the streamed
         self._sizes: list[int] = []
         self._layout: ArenaLayout | None = None
-        self._view_cache: dict[int, tuple[tuple[Tensor, ...], tuple]] = {}
-        # What the algorithms keep of a chunk's views between runs (``chunk_memo``).
-        self._memos: dict[int, dict] = {}
+        self._views = StagedViews()  # and what the algorithms keep of them (``chunk_memo``)
         # One (loaded, updated, stored) event each a streamed chunk, grown with the plans.
         self._loaded: list = []
         self._updated: list = []
@@ -173,8 +172,7 @@ class StreamScheduler:
             # The old arena may be in flight (loads, updates, stores of earlier steps, on
             # whichever stream ran them).
             torch.cuda.synchronize(self.device)
-        self._view_cache.clear()  # its views hold the old arena
-        self._memos.clear()
+        self._views.clear()  # they hold the old arena
         self._layout = None
         self._arena = None  # freed before the new one is taken
         self._arena = torch.empty(need, dtype=torch.uint8, device=self.device)
@@ -197,8 +195,7 @@ class StreamScheduler:
             self._position = {i: k for k, i in enumerate(self._streamed)}
             self._sizes = [transfers[i].nbytes for i in self._streamed]
             self._layout = None
-            self._view_cache.clear()
-            self._memos.clear()
+            self._views.clear()
         end_to_end = sum(align_up(n, ARENA_ALIGN) for n in self._sizes)
         at_least = self.staging(end_to_end) if self.staging is not None else 0
         self.reserve(max(self._sizes, default=0), len(self._sizes), at_least)
@@ -223,26 +220,13 @@ class StreamScheduler:
         """A dict for the chunk's units to keep what they derive from its views (matrices cut
         from them: ``UnitJob.memo``), as long as the views stay the same: emptied with them,
         so that nothing kept holds an arena that a new one replaced."""
-        return self._memos.setdefault(chunk, {})
+        return self._views.memo(chunk)
 
     def _staged(self, chunk: int) -> tuple[tuple[Tensor, ...], tuple]:
         """The chunk's tensor views and (host bytes, arena bytes) of each run in the arena,
-        made once per ``transfers`` and arena (slicing costs microseconds a call, chunks a
-        step)."""
-        staged = self._view_cache.get(chunk)
-        if staged is None:
-            transfer = self._views_for[chunk]
-            base = self._layout.offsets[self._position[chunk]]
-            buf = self._arena[base : base + transfer.nbytes]
-            views = tuple(
-                buf[off : off + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-                for off, shape, dtype in transfer.views
-            )
-            runs = tuple(
-                (run.host, buf[run.offset : run.offset + run.host.numel()]) for run in transfer.runs
-            )
-            staged = self._view_cache[chunk] = (views, runs)
-        return staged
+        made once per ``transfers`` and arena."""
+        base = self._layout.offsets[self._position[chunk]]
+        return self._views.of(chunk, self._views_for[chunk], self._arena, base)
 
     def run(
         self,
