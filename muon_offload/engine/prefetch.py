@@ -100,9 +100,9 @@ def defer(sched, k: int, chunk: int, stream=None) -> bool:
     return True
 
 
-def stores_end(sched, streams: list) -> None:
+def stores_end(sched, forked: list) -> None:
     """At the end of a main graph's capture: record an external event after the last store
-    queued on each of ``streams`` (the run's store streams), for the tail to wait for first.
+    queued on each store stream among ``forked`` (the run's), for the tail to wait for first.
 
     The copy engine that writes device bytes to the host runs the copies of every stream,
     roughly in the order they become ready: a tail store queued beside the main graph's own
@@ -112,7 +112,7 @@ def stores_end(sched, streams: list) -> None:
     split = sched.ahead.split
     if split is None or not sched.cuda:
         return
-    for stream in streams:
+    for stream in _store_streams(sched, forked):
         event = torch.cuda.Event(external=True)
         event.record(stream)
         split.stored.append(event)
@@ -170,7 +170,7 @@ def wait_stores(sched) -> None:
 def leave_stores(sched, forked: list) -> list:
     """At the end of an eager run that raised nothing: record each store stream's end and
     return the forked streams the caller's stream still waits for (loads, side updates)."""
-    stores = [s for s in forked if s is sched.d2h_stream or s is _side_d2h(sched)]
+    stores = _store_streams(sched, forked)
     record_stores(sched, stores)
     return [s for s in forked if not any(s is t for t in stores)]
 
@@ -183,6 +183,10 @@ def record_stores(sched, streams: list) -> None:
             ahead.stores[stream] = torch.cuda.Event()
         ahead.stores[stream].record(stream)
     ahead.open = True
+
+
+def _store_streams(sched, forked: list) -> list:
+    return [s for s in forked if s is sched.d2h_stream or s is _side_d2h(sched)]
 
 
 def _side_d2h(sched):

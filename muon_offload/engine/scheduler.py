@@ -272,6 +272,7 @@ class StreamScheduler:
         ahead = prefetch.take(self, transfers, side, capturing)
         try:
             self._run_streams(transfers, update, compute, ahead)
+            prefetch.stores_end(self, forked)  # a tail graph's stores follow them
             if self.ahead.leave and not capturing:  # the stores finish under what follows
                 joined = prefetch.leave_stores(self, forked)
         finally:
@@ -326,8 +327,6 @@ class StreamScheduler:
                 end_stage(marks, d2h)
                 self._stored[k].record(d2h)
             issue(k)
-        lanes = (self.side_d2h_stream,) if any(self._on_side) else ()
-        prefetch.stores_end(self, [self.d2h_stream, *lanes])  # a tail's stores follow them
 
     def _load(self, k: int, chunk: int) -> None:
         """Load the k-th streamed chunk (``chunk``): on the h2d stream, or at once (CPU)."""
