@@ -96,6 +96,8 @@ class RecordingGraph:
         self.record = record
 
     def replay(self) -> None:
+        if self.was_reset:  # as a CUDA graph's: nothing left to replay
+            raise RuntimeError("replay of a graph after its reset()")
         self.replays += 1
         with torch.no_grad():
             for issue in self.record:

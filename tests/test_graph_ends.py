@@ -1,8 +1,9 @@
-"""A captured step that streams state as three graphs (engine/graph_ends.py): the head (the
-first loads, replayed by ``prefetch()`` under backward), the main graph and the tail (the last
-stores, left running under the next forward). On the CPU: the replays' values against the eager
-twin with the graph emulator (tests/_graph_emulator.py), and the order of the replays on
-test_scheduler's stand-in streams. On a GPU: test_prefetch.py's graph loops (``cuda``)."""
+"""A captured step that streams state as two graphs and a held tail (engine/graph_ends.py):
+the head (the first loads, replayed by ``prefetch()`` under backward), the main graph, and
+the tail's stores, held after each replay and queued in slices from the next backward. On the
+CPU: the replays' values against the eager twin with the graph emulator
+(tests/_graph_emulator.py), and the order of the replays on test_scheduler's stand-in
+streams. On a GPU: test_prefetch.py's graph loops (``cuda``)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from _graph_emulator import RecordingGraph
 from test_graph_fresh_grads import BF16_GRADS, INT8_SHAPES, SHAPES, _backward, _muon
 from test_scheduler import _before, _chunks, _Cuda, _Event, _expected, _update
 
+from muon_offload.engine import prefetch
 from muon_offload.engine.graph_ends import SplitStep, tail_of
 from muon_offload.engine.prefetch import first_loads
 
@@ -41,7 +43,7 @@ def _assert_twins(params, opt, twin_params, twin, step) -> None:
 )
 def test_split_replays_with_prefetch_equal_the_eager_step_bitwise(monkeypatch, shapes, kw):
     """Eight steps of fresh gradients, prefetch() before most of them (the step replays the
-    head itself at steps 3 and 7), fp32 gradients from step 4 on (a key change: the three graphs
+    head itself at steps 3 and 7), fp32 gradients from step 4 on (a key change: the two graphs
     dropped, eager, captured again), step 6 eager under ``timeline()`` after its prefetch (the
     graph held: its arena rewritten, so step 7 replays the head again): every step equals the
     eager offloaded twin, bit for bit; prefetch() replays the head of a held graph once, and
@@ -70,10 +72,10 @@ def test_split_replays_with_prefetch_equal_the_eager_step_bitwise(monkeypatch, s
     assert prefetched == [False, False, True, True, False, True]
     stats = opt.graph_stats()
     assert (stats["captures"], stats["replays"], stats["off"]) == (2, 3, None)
-    assert len(made) == 6 and all(g.was_reset for g in made[:3])
+    assert len(made) == 4 and all(g.was_reset for g in made[:2])
     # Heads: at 1 (the capture's replay), 2, 3, and 4's prefetch (dropped at the step); at 5,
     # 6's prefetch, and 7 (the eager step 6 took the arena after it).
-    assert [g.replays for g in made] == [4, 3, 3, 3, 2, 2]
+    assert [g.replays for g in made] == [4, 3, 3, 2]
     assert isinstance(opt._graphing.graphs.held, SplitStep)
     # graph_stats() counts the held graph's: its capture's replay at 5 loads the head itself;
     # at 6 and 7 it ran ahead (6's prefetch(); 7's backward hook, the arena taken at 6).
@@ -103,7 +105,7 @@ def test_a_step_nobody_prefetches_is_captured_whole(monkeypatch, asked):
     stats = opt.graph_stats()
     assert (stats["captures"], stats["replays"], stats["off"]) == (1, 2, None)
     assert isinstance(opt._graphing.graphs.held, SplitStep) == asked
-    assert len(made) == (3 if asked else 1)
+    assert len(made) == (2 if asked else 1)
     # The capture's replay loads its head itself; the replays after it find it loaded ahead.
     assert (stats["heads_ahead"], stats["heads_at_step"]) == ((2, 1) if asked else (0, 0))
 
@@ -147,15 +149,15 @@ class _StandInGraph:
 
 
 @pytest.mark.parametrize("lanes", [2, 1])
-def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_forward(
-    monkeypatch, lanes
-):
+def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypatch, lanes):
     """The head replays on the h2d stream after the last tail and (when prefetched) not after
-    backward; the main graph after the head and backward; the tail on the d2h stream after the
-    main graph, and the next forward does not wait for it; the next run's loads, an eager
-    one's, wait for it. The main graph's capture loads only the chunks after the head, stores
-    only those outside the tail (the stores no load waits for), and waits for no load event of
-    the head's chunks (none recorded in it); the tail's stores wait for its stores."""
+    backward; the main graph after the head and backward; the tail's stores are held after
+    the replay, queued on the d2h stream by the next backward's hooks a slice at a time (each
+    after the last has run) or all at once by the next head, after the main graph's records
+    and before the head, waiting for neither the forward nor backward; the next run's loads,
+    an eager one's, queue what is left and wait for it. The main graph's capture loads only
+    the chunks after the head, stores only those outside the tail (the stores no load waits
+    for), and waits for no load event of the head's chunks (none recorded in it)."""
     cuda = _Cuda(monkeypatch)
     slab, tensors, transfers = _chunks([5000, 700, 64, 1300, 5000, 900, 2000])
     want = _expected(_expected(tensors))  # the capture's copies, then an eager run's
@@ -170,7 +172,7 @@ def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_fo
     split = SplitStep(new_graph, sched, transfers, side)
     marks = sched.timeline = []
     split.capture(lambda: sched.run(transfers, _update, side))
-    head, main, tail = graphs
+    head, main = graphs
     n, ends = first_loads(sched.layout), tail_of(sched.layout)
     assert 1 <= n < len(transfers) and ends and max(ends) == len(transfers) - 1
     assert [c for c, stage, _, _ in marks if stage == "load"] == list(range(n, len(transfers)))
@@ -178,55 +180,135 @@ def test_replays_run_the_first_loads_under_backward_and_the_last_stores_under_fo
     assert stored == [c for c in range(len(transfers)) if c not in ends]
     for j, waits in enumerate(sched.layout.waits):
         assert not ends & set(waits), j
-    # Each of the tail's stores waits for its chunk's update through an external event that
-    # the main graph records, and first for one it records after the last store of each store
-    # stream (the main graph waits for none, records no other).
+    # The main graph records an external event after each tail chunk's update and after the
+    # last store of each store stream, which the tail's first slice waits for.
     assert sched.ahead.split is None  # the capture's, cleared
-    stored = split._split.stored
-    assert [e.node.stream for e in stored] == ["d2h", "side_d2h"][:lanes]
-    assert tail.waited == stored + split._split.updated
-    assert len(tail.waited) == len(ends) + lanes
-    assert sorted(map(id, main.records)) == sorted(map(id, tail.waited))
+    last_stores = split._split.stored
+    assert [e.node.stream for e in last_stores] == ["d2h", "side_d2h"][:lanes]
+    assert len(split._split.updated) == len(ends)
+    waited = last_stores + split._split.updated
+    assert sorted(map(id, main.records)) == sorted(map(id, waited))
     for _, stage, _, end in marks:  # the tail's stores follow the main graph's: a copy
         if stage == "store":  # engine runs them beside those the step's loads wait for
-            assert any(_before(end.node, e.node) for e in stored)
-    assert not head.records + head.waited + main.waited + tail.records
+            assert any(_before(end.node, e.node) for e in last_stores)
+    assert not head.records + head.waited + main.waited
     sched.timeline = None
-    last_tail = None
+    d2h = sched.d2h_stream
+    last_main = last_forward = None
+    tail_bytes = sum(host.numel() for host, _ in split._tail_runs)
+    monkeypatch.setattr(prefetch, "TAIL_SLICE_BYTES", tail_bytes // 3 + 1)  # three slices
+    tail_ends = []  # where each held tail queued all of its stores ends
+    original = prefetch.launch_tail
+
+    def launch(sched):
+        queued = original(sched)
+        if queued:
+            tail_ends.append(sched.ahead.stores[d2h].node)
+        return queued
+
+    monkeypatch.setattr(prefetch, "launch_tail", launch)
     for s in range(4):
         backward = cuda.compute._add()
         prefetched = s % 2 == 1
         if prefetched:
+            if last_main is not None:  # two hooks: two slices, each after the main graph
+                for _ in range(2):
+                    assert not prefetch.pace_tail(sched) and sched.ahead.tail is not None
+                    t = sched.ahead.stores[d2h].node
+                    assert all(_before(e.node, t) for e in waited)
+                    assert not _before(last_forward, t) and not _before(backward, t)
             assert split.prefetch() and split.prefetch()
         late = cuda.compute._add()  # the rest of backward
+        queued = len(tail_ends)
         split.replay()
         forward = cuda.compute._add()
-        assert len(head.replayed) == len(main.replayed) == len(tail.replayed) == s + 1
-        h, m, t = head.replayed[-1], main.replayed[-1], tail.replayed[-1]
-        assert (h.stream, m.stream, t.stream) == ("h2d", "compute", "d2h")
-        assert _before(h, m) and _before(late, m) and _before(m, t)
-        assert not _before(t, forward)
-        assert _before(t, sched.ahead.stores[sched.d2h_stream].node)
-        if last_tail is not None:
-            assert _before(last_tail, h)
-        # Under backward once a replay left its tail running; at the step (no prefetch, or
-        # after the capture, which joined its stores) after what the compute stream queued.
+        assert len(head.replayed) == len(main.replayed) == s + 1
+        held = sched.ahead.tail
+        assert held is not None and not held.started  # held, nothing queued
+        h, m = head.replayed[-1], main.replayed[-1]
+        assert (h.stream, m.stream) == ("h2d", "compute")
+        assert _before(h, m) and _before(late, m)
+        if last_main is not None:  # the last step's tail: all of it queued before this head
+            assert len(tail_ends) == queued + (0 if prefetched else 1)
+            t = tail_ends[-1]
+            assert t.stream == "d2h" and _before(last_main, t) and _before(t, h)
+            assert not _before(last_forward, t) and not _before(backward, t)
+        # Under backward once a replay left its tail; at the step (no prefetch, or after the
+        # capture, which joined its stores) after what the compute stream queued.
         assert _before(late, h) == (not prefetched)
-        assert _before(backward, h) == (not prefetched or last_tail is None)
-        last_tail = t
+        assert _before(backward, h) == (not prefetched or last_main is None)
+        last_main, last_forward = m, forward
     marks = sched.timeline = []
     sched.run(transfers, _update, side)  # an eager run after a replay (a key change)
+    assert sched.ahead.tail is None and len(tail_ends) == 4  # the last one queued by the run
+    assert _before(last_main, tail_ends[-1])
     for _, stage, start, _ in marks:
         if stage == "load":
-            assert _before(last_tail, start.node)
+            assert _before(tail_ends[-1], start.node)
     for got, exp in zip(tensors, want, strict=True):  # copies run at once on the stand-ins
         for a, b in zip(got, exp, strict=True):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("failing", [0, 1, 2])
-def test_a_miss_in_any_of_the_three_captures_gives_graphs_up(monkeypatch, failing):
-    """The head, main or tail capture raises (a tuning decision missing under capture): the
+def _differs(opt, params, twin, twin_params) -> bool:
+    """Whether any host state reads other bits than the twin's (without writing anything
+    back: the dict the step reads)."""
+    return any(
+        not torch.equal(opt._state[p][k], twin._state[q][k])
+        for p, q in zip(params, twin_params, strict=True)
+        for k in opt._state[p]
+    )
+
+
+@pytest.mark.parametrize("reader", ["state", "in_place", "state_dict", "key_change"])
+def test_a_held_tail_is_written_back_before_anything_reads_host_state(monkeypatch, reader):
+    """A replayed split step holds its tail's stores (launched by the next head, under the
+    next backward): until then the host bytes of its last chunks are the last step's. Each
+    reader launches it first: ``opt.state`` (so a write in place into a state tensor is not
+    overwritten later), ``state_dict()``, and a key change that drops the graphs with no
+    prefetch before it (gradients set by hand: no hook fires)."""
+    made: list[RecordingGraph] = []
+    pair = _pair(monkeypatch, made, SHAPES, chunk_bytes=3000)
+    (opt, params), (twin, twin_params) = pair
+
+    def step(s, dtype=torch.float32, prefetched=True):
+        for o, ps in pair:
+            gen = torch.Generator().manual_seed(100 + s)
+            for p in ps:
+                if hasattr(p, "grad_dtype"):  # torch >= 2.12 asks first
+                    p.grad_dtype = None
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            if prefetched:
+                o.prefetch()
+            o.step()
+            o.zero_grad()
+
+    for s in range(3):  # eager, capture, replay
+        step(s)
+    assert opt.graph_stats()["replays"] == 1 and made[1].replays == 2  # and the capture's
+    assert _differs(opt, params, twin, twin_params)  # the replay's tail is held
+    if reader == "state":
+        _assert_twins(params, opt, twin_params, twin, "read")
+    elif reader == "in_place":
+        for o, ps in pair:
+            o.state[ps[0]]["momentum"].mul_(0.5)
+        step(3)
+        _assert_twins(params, opt, twin_params, twin, "in place")
+    elif reader == "state_dict":
+        saved, saved_twin = opt.state_dict()["state"], twin.state_dict()["state"]
+        for i, values in saved.items():
+            for k, v in values.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(saved_twin[i][k])), k
+    else:
+        step(3, torch.bfloat16, prefetched=False)  # the graphs dropped: the step is eager
+        assert opt.graph_stats()["captures"] == 1 and made[1].was_reset
+        assert not _differs(opt, params, twin, twin_params)
+    assert not _differs(opt, params, twin, twin_params)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_miss_in_either_capture_gives_graphs_up(monkeypatch, failing):
+    """The head or main capture raises (a tuning decision missing under capture): the
     graphs captured before it are reset, graphs are given up, and the steps run eagerly, bit
     for bit as the twin."""
     from muon_offload.kernels._launch import CaptureMiss
@@ -237,7 +319,7 @@ def test_a_miss_in_any_of_the_three_captures_gives_graphs_up(monkeypatch, failin
     real = RecordingGraph.capture
 
     def capture(graph, body):
-        if graph is made[failing]:  # head, main or tail of the first capture
+        if graph is made[failing]:  # head or main of the first capture
             raise CaptureMiss("muon_apply was not tuned before the capture")
         real(graph, body)
 
@@ -250,5 +332,5 @@ def test_a_miss_in_any_of_the_three_captures_gives_graphs_up(monkeypatch, failin
         _assert_twins(params, opt, twin_params, twin, s)
     stats = opt.graph_stats()
     assert "the capture failed: CaptureMiss" in stats["off"], stats
-    assert stats["replays"] == 0 and len(made) == 3
+    assert stats["replays"] == 0 and len(made) == 2
     assert all(g.was_reset for g in made)

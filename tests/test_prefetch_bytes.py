@@ -55,8 +55,8 @@ def test_the_arena_and_the_loads_ahead_follow_prefetch_bytes_and_the_bits_do_not
         run = _loop(prefetch_bytes=prefetch_bytes, **kw)
         # Its own sizes: a run lands in staging at its host address's residue (transfer.py).
         staging, ring, end_to_end, sizes = _arena(run[1])
-        if prefetch_bytes is None:  # the default: a third for 8-bit Muon state, else none
-            want = end_to_end // 3 if state_dtype == torch.int8 else 0
+        if prefetch_bytes is None:  # the default: a third for Muon, whatever the format
+            want = end_to_end // 3
         else:
             want = min(prefetch_bytes, end_to_end)
         assert staging == max(ring, align_up(want, ARENA_ALIGN)), prefetch_bytes
@@ -97,14 +97,14 @@ def test_prefetch_bytes_is_checked_before_anything_changes():
     assert opt.prefetch_bytes == 1 << 20
 
 
-def test_the_default_is_a_third_of_8_bit_muon_state_at_most_2_gib_else_none():
-    muon8 = Settings.check(offload=True, state_dtype=torch.int8, batches_matrices=True)
-    assert muon8.prefetch_bytes is None
-    assert muon8.staging_for(3 << 20) == 1 << 20
-    assert muon8.staging_for(30 << 30) == 2 << 30
-    for others in (dict(), dict(state_dtype=torch.bfloat16, batches_matrices=True)):
-        assert Settings.check(offload=True, **others).staging_for(3 << 20) == 0
-    assert Settings.check(offload=True, state_dtype=torch.int8).staging_for(3 << 20) == 0
+@pytest.mark.parametrize("state_dtype", [None, torch.float32, torch.bfloat16, torch.int8])
+def test_the_default_is_a_third_of_muon_state_at_most_2_gib_else_none(state_dtype):
+    muon = Settings.check(offload=True, state_dtype=state_dtype, batches_matrices=True)
+    assert muon.prefetch_bytes is None
+    assert muon.staging_for(3 << 20) == 1 << 20
+    assert muon.staging_for(30 << 30) == 2 << 30
+    # AdamW alone (no batches of matrices): the ring
+    assert Settings.check(offload=True, state_dtype=state_dtype).staging_for(3 << 20) == 0
     given = Settings.check(offload=True, prefetch_bytes=5 << 20)
     assert given.staging_for(3 << 20) == 3 << 20  # never more than the step streams
     assert given.staging_for(30 << 30) == 5 << 20

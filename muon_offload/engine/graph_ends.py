@@ -1,5 +1,6 @@
-"""A captured step that streams state, as three CUDA graphs: its first loads run under backward
-and its last stores under the next forward, as an eager step's do (prefetch.py).
+"""A captured step that streams state, as two CUDA graphs and the stores they leave out: its
+first loads run under backward and its last stores under the next backward, as an eager
+step's run beside what follows it (prefetch.py).
 
 A replay runs its graph as a whole on the stream it is launched on, and a capture must join
 every stream it forks, so one graph of the step would hold its first loads until the replay
@@ -13,36 +14,33 @@ instead as
   *tail* left out;
 - the *tail*: the stores of the chunks whose staging bytes no later load of the run takes
   (``tail_of``: in no load's waits; the last ring's slots), which the main graph so need not
-  finish. Each waits for its chunk's update through an external event (CUDA's event record
-  and wait nodes): the main graph records it at the update's end, the tail's wait node names
-  it, so a store need not wait for the main graph's end (a synchronized loop waited 4 ms
-  after an offloaded 8-bit step's main graph when the tail waited for all of it). The first
-  waits, likewise, for the main graph's last store of each store stream
-  (``prefetch.stores_end``): beside them, the tail's stores took the copy engine from the
-  stores that the step's own loads wait for.
+  finish. They are not captured: after each main replay they are held (``prefetch.HeldTail``)
+  and queued in slices from the next backward's gradient hooks (``prefetch.pace_tail``), one
+  slice at a time, so that no small copy to the host that the forward or backward waits for
+  (an MoE's routing) queues behind all of them on the copy engine. The first slice waits for
+  external events that the main graph records (CUDA's event record nodes): each tail chunk's
+  update end, and the main graph's last store of each store stream (``prefetch.stores_end``).
 
-Each is captured as the main graph alone was (graphs.py), in one step, under one key: a key
-change drops all three, a capture miss in any gives graphs up. Their replays are ordered by
-plain events recorded and waited on outside any capture:
+Head and main are captured as the main graph alone was (graphs.py), in one step, under one
+key: a key change drops both (the held stores queued first), a capture miss in either gives
+graphs up. Their replays, and the tail, are ordered by plain events recorded and waited on
+outside any capture:
 
-    h2d stream       [waits: last tail's end] head  (from prefetch(): under backward)
-    compute stream   ... backward ... [waits: head's end] main | forward ...
-    d2h stream                          tail [each store waits: its update in main] | ...
+    h2d stream       [waits: tail's end] head  (from prefetch(): under backward)
+    compute stream   ... backward ... [waits: head's end] main | forward ... backward ...
+    d2h stream                                        tail's slices, from backward's hooks
 
-- The head's loads write arena bytes and read host state: the last step's tail ends first
-  (and through it every update and store of a streamed chunk of that step: the tail's last
-  store follows the last streamed chunk's update, after its load, which the loads before it
-  and the stores they waited for precede); backward's work is not
+- The head's loads write arena bytes and read host state: the last step's tail is queued in
+  full and ends first (and through it every update and store of a streamed chunk of that
+  step: its first slice waits for the main graph's records); backward's work is not
   waited for, except when the step replays the head itself (no ``prefetch()`` before it), or
   the last step joined its stores (eager, or a capture): then the h2d stream waits for
   whatever the compute stream queued before, as ``prefetch.issue`` does.
 - The main graph follows the head (its updates read the head's bytes; its own loads take
   bytes whose last holders it waits for inside the graph, after the head's chunks).
-- The tail's stores follow their chunks' updates and the main graph's stores (launched
-  after the main graph, its wait nodes name that replay's records); the compute stream does
-  not wait for it. Its end is
-  what the next head, an eager step's loads (``prefetch.take``), and every host reader
-  (``finish``: the d2h stream) wait for, as ``ahead.stores``.
+- The tail's end is what the next head, an eager step's loads (``prefetch.take``), and every
+  host reader (``finish``: the d2h stream) wait for, as ``ahead.stores``; each queues what is
+  left of it first (``prefetch.launch_tail``), and ``opt.state`` waits for it on the host.
 
 Only a step whose first loads were asked for ahead (``prefetch()``, the backward hook: the
 scheduler's ``ahead.asked``) is split (graph_runner.py): without anything beside its ends, one
@@ -50,7 +48,7 @@ graph of the step overlaps them with its own updates, which the split cannot (th
 waits for all of the head's loads; the tail starts after the main graph's end).
 
 Nothing more is staged: the head and tail read and write the arena's bytes of the main graph.
-Without CUDA the three replay in order (the CPU tests' stand-in graphs).
+Without CUDA the same code runs in order (the CPU tests' stand-in graphs).
 """
 
 from __future__ import annotations
@@ -68,54 +66,46 @@ def tail_of(layout) -> frozenset[int]:
     return frozenset(k for k in range(len(layout.offsets)) if k not in taken)
 
 
-def _copy(sched, chunks: list[int], load: bool, after: list | None = None, first=()) -> None:
-    """Copy ``chunks``' host bytes into their arena bytes (``load``) or back, on the current
-    stream (a capture's: inside a graph, no other stream orders them); ``after[i]``: an event
-    the copy of ``chunks[i]`` waits for first (None: none); ``first``: events every copy
-    waits for."""
-    stream = torch.cuda.current_stream(sched.device) if sched.cuda else None
-    for event in first:
-        stream.wait_event(event)
-    for i, chunk in enumerate(chunks):
-        event = after[i] if after else None
-        if event is not None:
-            stream.wait_event(event)
+def _load(sched, chunks: list[int]) -> None:
+    """Copy ``chunks``' host bytes into their arena bytes on the current stream (a capture's:
+    inside a graph, no other stream orders them)."""
+    for chunk in chunks:
         for host, staged in sched._staged(chunk)[1]:
-            if load:
-                staged.copy_(host, non_blocking=sched.cuda)
-            else:
-                host.copy_(staged, non_blocking=sched.cuda)
+            staged.copy_(host, non_blocking=sched.cuda)
 
 
 class SplitStep:
-    """The head, main and tail graphs of one step (``StepGraphs`` sees one graph:
-    ``capture(body)``, ``replay()``, ``reset()``), and ``prefetch()``, the head's replay."""
+    """The head and main graphs of one step and its tail's runs (``StepGraphs`` sees one
+    graph: ``capture(body)``, ``replay()``, ``reset()``), and ``prefetch()``, the head's
+    replay."""
 
     def __init__(self, new_graph: Callable[[], object], sched, transfers, side) -> None:
         self.sched, self.transfers, self.side = sched, transfers, side
-        self.head, self.main, self.tail = new_graph(), new_graph(), new_graph()
+        self.head, self.main = new_graph(), new_graph()
         self._head_end = torch.cuda.Event() if sched.cuda else None
         self._split = None  # the last capture's: its events live as long as the graphs
+        self._tail_runs: list = []  # (host bytes, arena bytes) of the tail's chunks
+        self._held = None  # this step's tail while it is held (``prefetch.HeldTail``)
         # Head replays from prefetch() (under backward) and by the step itself (nothing
         # prefetched, or an eager run took the arena since): graph_stats() shows both.
         self.heads_ahead = self.heads_at_step = 0
 
     @property
     def pool_bytes(self) -> int:
-        return sum(getattr(g, "pool_bytes", 0) for g in (self.head, self.main, self.tail))
+        return sum(getattr(g, "pool_bytes", 0) for g in (self.head, self.main))
 
     def capture(self, body: Callable[[], None]) -> None:
-        """Capture the three (``body``: the step's run)."""
+        """Capture the two (``body``: the step's run) and note the tail's runs."""
         sched = self.sched
         streamed = sched.prepare(self.transfers, self.side)
         n = prefetch.first_loads(sched.layout)
-        self.head.capture(lambda: _copy(sched, streamed[:n], True))
+        self.head.capture(lambda: _load(sched, streamed[:n]))
         split = self._split = sched.ahead.split = prefetch.Split(n, tail_of(sched.layout))
         try:
             self.main.capture(body)
         finally:
             sched.ahead.split = None
-        self.tail.capture(lambda: _copy(sched, split.deferred, False, split.updated, split.stored))
+        self._tail_runs = [run for c in split.deferred for run in sched._staged(c)[1]]
 
     def prefetch(self) -> bool:
         """Replay the head (once before each main replay) on the h2d stream."""
@@ -129,6 +119,7 @@ class SplitStep:
             self.heads_at_step += 1
         else:
             self.heads_ahead += 1
+        prefetch.launch_tail(sched)  # the last tail's stores first (their bytes are reloaded)
         if sched.cuda:
             h2d = sched.h2d_stream
             if at_step or not sched.ahead.open:
@@ -143,24 +134,26 @@ class SplitStep:
 
     def replay(self) -> None:
         """The step: the head (unless prefetched), the main graph on the current stream, the
-        tail on the d2h stream, its stores after their updates in the main graph, left
-        running."""
+        tail's stores held (after their updates in the main graph: its records)."""
         sched = self.sched
         if sched.ahead.headed is not self.head:  # not prefetched, or an eager run since
             self._replay_head(True)
         sched.ahead.headed = None
         sched.ahead.runs += 1  # the backward hook prefetches once a run
-        if not sched.cuda:
-            self.main.replay()
-            self.tail.replay()
-            return
-        compute, d2h = torch.cuda.current_stream(sched.device), sched.d2h_stream
-        compute.wait_event(self._head_end)
+        if sched.cuda:
+            torch.cuda.current_stream(sched.device).wait_event(self._head_end)
         self.main.replay()
-        with torch.cuda.stream(d2h):  # launched after the main graph: waits for its records
-            self.tail.replay()
-        prefetch.record_stores(sched, [d2h])
+        split = self._split
+        waits = [*split.stored, *(e for e in split.updated if e is not None)]
+        self._held = prefetch.HeldTail(self._tail_runs, waits)
+        prefetch.hold_tail(sched, self._held)
+
+    def launch_tail(self) -> None:
+        """Queue this step's tail if it is still held (before the graphs go: nothing lost)."""
+        if self._held is not None and self.sched.ahead.tail is self._held:
+            prefetch.launch_tail(self.sched)
+        self._held = None
 
     def reset(self) -> None:
-        for graph in (self.head, self.main, self.tail):
+        for graph in (self.head, self.main):
             graph.reset()

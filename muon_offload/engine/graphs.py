@@ -289,6 +289,8 @@ class StepGraphs:
         """Forget the graph (its key no longer holds, or the state it read is gone)."""
         if self._graph is None:
             return
+        if isinstance(self._graph, SplitStep):
+            self._graph.launch_tail()  # its stores run before the graphs go
         if self._stream is not None:
             # A replay may still be running (a head or tail on the scheduler's streams): let
             # it finish before its pool is released.

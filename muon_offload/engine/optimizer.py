@@ -49,7 +49,7 @@ from .state_format import StatePolicy
 from .step_counts import StepCounts
 from .step_plans import PlanCache, StepPlanner, which
 from .step_work import StepWork, step_work
-from .streams import Streams
+from .streams import SettledState, Streams
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ class ChunkedOptimizer(Optimizer):
 
     # The group's ``algorithm`` -> its per-unit update (and state keys).
     algorithms: dict[str, Algorithm] = {}
-    # Chooses each parameter's state format (``StatePolicy``); a subclass may name another
-    # policy, whose formats are new ones (docs/design.md, "State formats").
+    # Each parameter's state format; a subclass may name another policy (docs/design.md).
     state_policy = StatePolicy
     # The state dict key of a parameter's step count: torch's AdamW ``step`` (``Muon``: dion's).
     step_count_key = "step"
@@ -82,6 +81,9 @@ class ChunkedOptimizer(Optimizer):
     backend = Setting()
     cuda_graph = Setting()
     prefetch_bytes = Setting()
+
+    # torch's ``Optimizer.state``, read after a replay's held stores (the step's: ``_state``).
+    state, _state = SettledState(), property(SettledState.held)
 
     # What tools read, and new chunk budgets (``introspect.Tools``).
     host_state_bytes = Delegated("_tools", Tools.host_state_bytes)
@@ -213,7 +215,9 @@ class ChunkedOptimizer(Optimizer):
 
     def _plan(self, work: StepWork, hypers: Sequence[Hyper], classes=None):
         """This step's plan, transfers, layouts and side chunks (``StepPlanner.plan``)."""
-        return self._planner.plan(self.state, work, hypers, classes, self._placement, self._mesh_of)
+        return self._planner.plan(
+            self._state, work, hypers, classes, self._placement, self._mesh_of
+        )
 
     def _hypers(self) -> list[Hyper]:
         return [self._read_hyper(g, i) for i, g in enumerate(self.param_groups)]
@@ -257,7 +261,7 @@ class ChunkedOptimizer(Optimizer):
             return loss
         # State and plan first: a failure there (pinned memory, a bad parameter) leaves the
         # step count as it was.
-        self._states.for_step(self.state, self.param_groups, hypers, work, device, self._placement)
+        self._states.for_step(self._state, self.param_groups, hypers, work, device, self._placement)
         counted = [self.algorithms[h.algorithm].counts_steps for h in hypers]
         slots, counts, classes = self._counts.for_step(which(work), work.params, counted)
         plan, transfers, layouts, side = self._plan(work, hypers, classes)
@@ -273,7 +277,7 @@ class ChunkedOptimizer(Optimizer):
         unstep = self._counts.advance(slots, counts)  # each stepped parameter's count
         progress = [([], []) for _ in plan.chunks]  # (started, finished) units, per chunk
         ctx = StepContext(
-            self.state, self._store.formats, work, hypers, steps, self.backend, layouts, counts
+            self._state, self._store.formats, work, hypers, steps, self.backend, layouts, counts
         )
 
         def update(i: int, views: Sequence[Tensor] | None) -> None:
@@ -288,7 +292,7 @@ class ChunkedOptimizer(Optimizer):
             tables = (self._scalars, self._grad_table)
             closed = closure is not None
             self._graphing.run(
-                work, layouts, hypers, transfers, update, side, closed, self.state, tables
+                work, layouts, hypers, transfers, update, side, closed, self._state, tables
             )
         except BaseException as err:
             report = interrupted(plan, work, progress, err, self.param_groups, unstep)

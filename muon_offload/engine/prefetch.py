@@ -13,8 +13,9 @@ beside them, the first loads and the last stores, so:
   has new ones) and skips issuing them; otherwise they are dropped, and the run loads as it
   would, after them on the same h2d stream (their bytes are the arena's, rewritten in order).
 - With ``prefetch=True`` (the default) an offloaded optimizer hooks each parameter's gradient
-  accumulation (``register_post_accumulate_grad_hook``): the first hook to fire after a step
-  calls ``prefetch()``, so the first loads run under the rest of backward.
+  accumulation (``register_post_accumulate_grad_hook``): the hooks queue the stores a replayed
+  step held back, a slice a hook (``pace_tail``), then the first hook after that calls
+  ``prefetch()``, so the first loads run under the rest of backward.
 - An eager step on CUDA, while no CUDA graph is in use, leaves its stores running: the compute
   stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
   (while graphs are in use an eager step joins them: the capture that may follow waits on no
@@ -24,11 +25,12 @@ beside them, the first loads and the last stores, so:
   optimizer's ``Streams.synchronize``: ``state_dict``, copies and saves, ``load_state_dict``,
   state dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
   every stream into the capturing one, as CUDA requires, and takes no load ``issue`` queued.
-- With graphs in use, a step that streams state, prefetched, is captured as three graphs
+- With graphs in use, a step that streams state, prefetched, is captured as two graphs
   (``graph_ends.py``): a head graph of the loads ``issue`` would queue, which ``prefetch()``
-  replays on the h2d stream while the graph is held (``Split``: the main graph's capture takes
-  those loads and leaves the tail's stores out, ``defer``), and a tail graph of the last
-  stores, replayed on the d2h stream after the main graph and left running: its end is the
+  replays on the h2d stream while the graph is held, and the main graph (``Split``: its
+  capture takes those loads and leaves the tail's stores out, ``defer``). The tail's stores
+  are held after each replay (``hold_tail``) and queued in slices from the next backward's
+  hooks, or all at once by whatever needs them first (``launch_tail``); their end is the
   event in ``stores`` that the next loads and ``finish`` wait for, as an eager step's.
 
 Without CUDA, ``issue`` copies at once and the run skips those copies: the same logic in plan
@@ -38,6 +40,7 @@ order, which CI tests.
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -64,22 +67,25 @@ class Ahead:
         # tail graphs (graph_ends.py): the ``Split`` the run reads
         self.headed = None  # the head graph (graph_ends.py) that loaded the arena last (its
         # main replay takes those loads); any run or ``issue`` rewrites the arena: None
+        self.tail = None  # the tail graph of the last main replay, held until its stores
+        # are needed (``hold_tail``), then None
 
 
 class Split:
-    """A run captured between a head and a tail graph: its first ``head`` streamed chunks are
-    loaded by the head graph, the stores of the streamed chunks in ``tail`` (by place among the
-    streamed) are left to the tail graph, which queues the chunks listed in ``deferred``, each
-    after the event in ``updated`` that the main graph records at the end of its update."""
+    """A run captured after a head graph and before its held tail: its first ``head``
+    streamed chunks are loaded by the head graph, the stores of the streamed chunks in
+    ``tail`` (by place among the streamed) are left out, the chunks listed in ``deferred``,
+    stored after the events in ``updated`` that the main graph records at the end of their
+    updates (``HeldTail``)."""
 
     def __init__(self, head: int, tail: frozenset) -> None:
         self.head, self.tail = head, tail
         self.deferred: list[int] = []  # chunk indices, in run order
         # External events (CUDA): recorded by the main graph's replay, waited for by the
-        # tail's; None on the CPU. Kept as long as the graphs that name them.
+        # tail's first slice; None on the CPU. Kept as long as the graphs that name them.
         self.updated: list = []
         # One external event a store stream of the run, recorded after its last store in the
-        # main graph: the tail's first store waits for them all (``stores_end``).
+        # main graph: the tail's first slice waits for them all (``stores_end``).
         self.stored: list = []
 
 
@@ -162,9 +168,101 @@ def take(sched, transfers, side, capturing: bool) -> int:
 
 
 def wait_stores(sched) -> None:
-    """The h2d stream waits for the stores the last runs left running."""
+    """The h2d stream waits for the stores the last runs left running (a held tail's
+    launched first)."""
+    launch_tail(sched)
     for event in sched.ahead.stores.values():
         sched.h2d_stream.wait_event(event)
+
+
+# The stores a replayed step held back go out in slices, one from each gradient hook of the
+# next backward that finds the last slice run (``pace_tail``): the copy engine that writes
+# to the host runs its queued copies in turn, so a small copy that backward waits for on the
+# host (an MoE's routing: torch's ``_grouped_mm`` reads its group offsets so) waits behind
+# one slice, 0.6 ms at the H200's 52 GB/s, not behind the whole tail (3 GB: 60 ms). A slice
+# is TAIL_SLICE_BYTES, or a TAIL_SLICES-th of the tail if more: on the H200 the Qwen3-MoE
+# loop's backward (170 ms, 180 hooks) found the last 32 MiB slice run at 55 hooks or more,
+# not at the 96 that 3 GiB would have taken (its next loads then waited for the step).
+TAIL_SLICE_BYTES = 32 << 20
+TAIL_SLICES = 32
+
+
+class HeldTail:
+    """The stores a replayed main graph left out (graph_ends.py): ``runs``, (host bytes, arena
+    bytes) in run order, issued in slices on the d2h stream, the first after ``waits`` (the
+    main graph's external events: each chunk's update, each store stream's last store)."""
+
+    def __init__(self, runs: list, waits: list) -> None:
+        self.runs, self.waits = runs, waits
+        self.run = self.offset = 0  # the next byte to store: runs[run][offset]
+        self.started = False
+        self.nbytes = sum(host.numel() for host, _ in runs)
+
+    def issue(self, sched, budget: int | None) -> bool:
+        """Queue the next ``budget`` bytes of stores (None: all the rest) on the d2h stream;
+        return whether every store is queued."""
+        cuda, runs = sched.cuda, self.runs
+        with torch.cuda.stream(sched.d2h_stream) if cuda else nullcontext():
+            if cuda and not self.started:
+                for event in self.waits:
+                    sched.d2h_stream.wait_event(event)
+            self.started = True
+            while self.run < len(runs) and (budget is None or budget > 0):
+                host, staged = runs[self.run]
+                end = host.numel() if budget is None else min(host.numel(), self.offset + budget)
+                host[self.offset : end].copy_(staged[self.offset : end], non_blocking=cuda)
+                if budget is not None:
+                    budget -= end - self.offset
+                done = end == host.numel()
+                self.run, self.offset = (self.run + 1, 0) if done else (self.run, end)
+        if cuda:
+            record_stores(sched, [sched.d2h_stream])
+        return self.run == len(runs)
+
+
+def hold_tail(sched, tail: HeldTail) -> None:
+    """After a main graph's replay: its left-out stores are held, not queued, until the next
+    backward's gradient hooks issue them in slices (``pace_tail``), or something needs them
+    all (``launch_tail``): the next head's loads, a run's, a host reader (``finish``), the
+    graphs dropped.
+
+    Queued at once, under the next forward, they held every small copy to the host that the
+    forward waits for (an MoE's routing, ``.item()``) behind them on the one copy engine that
+    runs device-to-host copies: on the H200 an MoE forward took 154 ms after 3 GiB of them
+    instead of 123; queued at once in backward, they held backward's (torch's ``_grouped_mm``
+    reads its offsets on the host): 228 ms instead of 171."""
+    sched.ahead.tail = tail
+    sched.ahead.open = True
+
+
+def pace_tail(sched) -> bool:
+    """From a gradient hook: queue the held tail's next slice if its last one has run; return
+    whether none is left to queue (then the next step's first loads may be)."""
+    tail = sched.ahead.tail
+    if tail is None:
+        return True
+    if sched.cuda and tail.started and not sched.ahead.stores[sched.d2h_stream].query():
+        return False
+    if tail.issue(sched, max(TAIL_SLICE_BYTES, -(-tail.nbytes // TAIL_SLICES))):
+        sched.ahead.tail = None
+        return True
+    return False
+
+
+def launch_tail(sched) -> bool:
+    """Queue all of the held tail's stores left, if one is held; return whether one was."""
+    tail, sched.ahead.tail = sched.ahead.tail, None
+    if tail is None:
+        return False
+    tail.issue(sched, None)
+    return True
+
+
+def settle_tail(sched) -> None:
+    """Queue what is left of a held tail and wait on the host for its stores (a read of
+    host state)."""
+    if launch_tail(sched) and sched.cuda:
+        sched.ahead.stores[sched.d2h_stream].synchronize()
 
 
 def leave_stores(sched, forked: list) -> list:
@@ -194,7 +292,11 @@ def _side_d2h(sched):
 
 
 def finish(sched) -> None:
-    """Wait on the host for the caller's stream and every stream of ``sched`` (CUDA)."""
+    """Launch a held tail, then wait on the host for the caller's stream and every stream of
+    ``sched`` (CUDA)."""
+    launch_tail(sched)
+    if not sched.cuda:
+        return
     torch.cuda.current_stream(sched.device).synchronize()
     for stream in sched._forked(True):
         stream.synchronize()
@@ -247,7 +349,9 @@ class Prefetcher:
 
     def grad_ready(self) -> None:
         sched = self._streams.scheduler
-        if sched is not None and sched.ahead.runs != self._prefetched_run:
+        if sched is None or not pace_tail(sched):  # the last step's stores first
+            return
+        if sched.ahead.runs != self._prefetched_run:
             self._prefetched_run = sched.ahead.runs
             self.prefetch()
 

@@ -40,16 +40,15 @@ DEFAULT_INT8_CHUNK_BYTES = 512 << 20
 # launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
 # is the orthogonalizer's workspace, which scales with the batch.
 DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
-# Muon with 8-bit state loads a third of the bytes a step streams ahead by default
-# (prefetch_bytes), at most 2 GiB: the staging arena holds that much (or its ring of three of
-# the step's largest chunks, if more). Its first bytes load under backward (prefetch.py), its
-# last ones store under the next forward (graph_ends.py), and in a step nothing prefetched
-# (one graph) loads run that far ahead of updates, which evens out chunks of more compute
-# with chunks of more bytes. On the H200 (docs/benchmarks.md, "Loaded ahead"): the
-# qwen3-30b-a3b-ep8-rank 8-bit step 1.03 x the resident one (1.06 to 1.08 x with the ring) for
-# +0.84 GiB, the Qwen3-MoE training loop's 48.1 ms against 49.1 for +0.06 GiB. Other state
-# keeps the ring alone: fp32 state staged a third ahead (+1.34 GiB) took 7 ms off that loop's
-# 116 ms step and nothing off the qwen3 one (+1.6 GiB), too little for the memory.
+# Muon loads a third of the bytes a step streams ahead by default (prefetch_bytes), at most
+# 2 GiB: the staging arena holds that much (or its ring of three of the step's largest
+# chunks, if more). Its first bytes load under backward (prefetch.py), its last ones store
+# under the next backward (graph_ends.py), and in a step nothing prefetched (one graph) loads
+# run that far ahead of updates, which evens out chunks of more compute with chunks of more
+# bytes. On the H200 (docs/benchmarks.md, "Loaded ahead", "The tail in slices"): the
+# qwen3-30b-a3b-ep8-rank 8-bit step 1.03 x the resident one (1.06 to 1.08 x with the ring)
+# for +0.84 GiB; the Qwen3-MoE training loop's fp32 iteration 1.12 x the resident one
+# against 1.21 with the ring, for +1.34 GiB. AdamW alone keeps the ring.
 DEFAULT_PREFETCH_SHARE = 3
 DEFAULT_PREFETCH_CAP = 2 << 30
 STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)
@@ -84,10 +83,10 @@ SETTINGS_DOC = f"""
             hooks.
         prefetch_bytes: with offload, how much of the next step's state loads ahead of it
             (under backward, with ``prefetch``), and as much of a step's last stores is left
-            to finish under the next forward: the device bytes that stage streamed state (or
+            to finish under what follows it: the device bytes that stage streamed state (or
             the step's ring of three of its largest chunks, if more). None (default): for
-            ``Muon`` with 8-bit state a third of the state a step streams, at most
-            {DEFAULT_PREFETCH_CAP >> 30} GiB; otherwise 0, the ring alone.
+            ``Muon`` a third of the state a step streams, at most
+            {DEFAULT_PREFETCH_CAP >> 30} GiB; for ``AdamW`` 0, the ring alone.
 """
 
 
@@ -175,7 +174,7 @@ class Settings:
         holds the step's ring of chunks if that is more): ``prefetch_bytes``, or its default
         (``DEFAULT_PREFETCH_SHARE``'s comment), never more than the step streams."""
         if self.prefetch_bytes is None:
-            if not (self.state_dtype == torch.int8 and self.batches_matrices):
+            if not self.batches_matrices:
                 return 0
             return min(streamed_bytes // DEFAULT_PREFETCH_SHARE, DEFAULT_PREFETCH_CAP)
         return min(self.prefetch_bytes, streamed_bytes)

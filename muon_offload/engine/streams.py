@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .prefetch import finish
+from .prefetch import finish, settle_tail
 from .scheduler import StreamScheduler
 
 if TYPE_CHECKING:
@@ -51,9 +51,39 @@ class Streams:
         """Wait for in-flight write-backs (and loads), so host state can be read by the CPU:
         a step leaves its stores running (``prefetch.leave_stores``)."""
         sched = self.scheduler
-        if self._store.streamed and sched is not None and sched.cuda:
+        if self._store.streamed and sched is not None:
             finish(sched)
+
+    def settle_tail(self) -> None:
+        """Launch the stores a replayed step held back (``prefetch.hold_tail``) and wait for
+        them on the host: ``opt.state`` is read."""
+        if self.scheduler is not None:
+            settle_tail(self.scheduler)
 
     def drop(self) -> None:
         """Forget the scheduler (new budgets): the next step sizes a new staging arena."""
         self.scheduler = None
+
+
+class SettledState:
+    """``Optimizer.state`` of a ``ChunkedOptimizer``: the dict torch's ``Optimizer`` keeps,
+    read after the stores a replayed step held back (``prefetch.hold_tail``: queued from the
+    next backward otherwise) are queued and waited for, so that offloaded state read, copied
+    or written in place from here is the step's, as after an eager step and a
+    ``torch.cuda.synchronize()``."""
+
+    def __get__(self, opt, owner=None):
+        if opt is None:
+            return self
+        streams = opt.__dict__.get("_streams")
+        if streams is not None:
+            streams.settle_tail()
+        return opt.__dict__["state"]
+
+    def __set__(self, opt, value) -> None:
+        opt.__dict__["state"] = value
+
+    @staticmethod
+    def held(opt) -> dict:
+        """The dict, as it is (the step's own reads)."""
+        return opt.__dict__["state"]
