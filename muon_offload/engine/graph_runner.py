@@ -70,7 +70,7 @@ class GraphRunner:
                 self._settings.now.backend,
                 grads and grads.key(),
             )
-        # Head and tail graphs (graph_ends.py) where something runs beside the step's ends:
+        # A head graph and a held tail (graph_ends.py) where something runs beside the ends:
         # its first loads were asked for ahead (prefetch(), the backward hook).
         split = streamed and sched.ahead.asked
         ends = (sched, transfers, side) if split else None

@@ -32,9 +32,9 @@ that are not contiguous), the optimizer stays eager (logged once: a warning with
 INFO with ``"auto"``).
 
 A step that streams state, and whose first loads were asked for ahead (``prefetch()``, the
-backward hook), is captured as three graphs, so that its first loads run under backward and
-its last stores under the next forward (``graph_ends.py``): one key, captured, replayed and
-dropped together. A step nobody prefetched is captured whole (one graph overlaps its ends with
+backward hook), is captured as two graphs and its last stores held, so that its first loads
+run under backward and its last stores under the next backward (``graph_ends.py``): one key,
+captured, replayed and dropped together (the held stores queued first). A step nobody prefetched is captured whole (one graph overlaps its ends with
 its own updates).
 
 Meshes: NCCL collectives are captured as graph nodes. Each rank decides alone when to capture
@@ -256,7 +256,7 @@ class StepGraphs:
     def step(self, key: GraphKey | None, why_not: str, layouts, body, ends=None) -> str:
         """Run the step's GPU work (``body``): "replay", "capture" (then replayed once),
         or "eager". ``ends``: (scheduler, transfers, side) of a step that streams state,
-        captured as three graphs (``graph_ends.SplitStep``)."""
+        captured as a head and a main graph (``graph_ends.SplitStep``)."""
         if self.off is not None:
             body()
             self.eager_steps += 1

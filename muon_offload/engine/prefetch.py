@@ -63,12 +63,12 @@ class Ahead:
         # last run started: a graph captured now is split (graph_ends.py); without it nothing
         # runs beside the step's ends, and the step is captured whole.
         self.asked = False
-        self.split = None  # while a step's main graph is captured apart from its head and
-        # tail graphs (graph_ends.py): the ``Split`` the run reads
+        self.split = None  # while a step's main graph is captured apart from its head graph
+        # and its tail's stores (graph_ends.py): the ``Split`` the run reads
         self.headed = None  # the head graph (graph_ends.py) that loaded the arena last (its
         # main replay takes those loads); any run or ``issue`` rewrites the arena: None
-        self.tail = None  # the tail graph of the last main replay, held until its stores
-        # are needed (``hold_tail``), then None
+        self.tail = None  # the stores the last main replay left out while held
+        # (``HeldTail``): None once all are queued
 
 
 class Split:
@@ -90,16 +90,17 @@ class Split:
 
 
 def defer(sched, k: int, chunk: int, stream=None) -> bool:
-    """Whether the store of the k-th streamed chunk (``chunk``) is left to a tail graph; if so,
-    its update's end on ``stream`` (CUDA) is recorded for the tail's store to wait for."""
+    """Whether the store of the k-th streamed chunk (``chunk``) is left out of a main graph
+    (to its held tail); if so, its update's end on ``stream`` (CUDA) is recorded for the
+    tail's first slice to wait for."""
     split = sched.ahead.split
     if split is None or k not in split.tail:
         return False
     split.deferred.append(chunk)
     event = None
     if stream is not None:
-        # An external event: captured as a record node of the main graph that a wait node of
-        # the tail graph names (an internal one would join the main graph's streams instead).
+        # An external event: captured as a record node of the main graph, waited for by the
+        # tail's first slice outside it (an internal one cannot be named outside the graph).
         event = torch.cuda.Event(external=True)
         event.record(stream)
     split.updated.append(event)

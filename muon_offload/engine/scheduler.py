@@ -272,7 +272,7 @@ class StreamScheduler:
         ahead = prefetch.take(self, transfers, side, capturing)
         try:
             self._run_streams(transfers, update, compute, ahead)
-            prefetch.stores_end(self, forked)  # a tail graph's stores follow them
+            prefetch.stores_end(self, forked)  # a held tail's stores follow them
             if self.ahead.leave and not capturing:  # the stores finish under what follows
                 joined = prefetch.leave_stores(self, forked)
         finally:
@@ -316,7 +316,7 @@ class StreamScheduler:
                 update(i, views)
                 end_stage(marks, stream)
                 self._updated[k].record(stream)
-            if prefetch.defer(self, k, i, stream):  # to the tail graph: no load waits for it
+            if prefetch.defer(self, k, i, stream):  # to the held tail: no load waits for it
                 continue
             d2h = self.side_d2h_stream if side else self.d2h_stream
             with torch.cuda.stream(d2h):

@@ -1,6 +1,6 @@
 """The optimizer's stream scheduler (``scheduler.py``): made for the device a step runs on,
 dropped when the chunk budgets change (they size its staging arena), and the host's wait for
-what a step left running on its streams (``prefetch.py``: the stores under the next forward).
+what a step left running or held on its streams (``prefetch.py``: the stores it leaves).
 """
 
 from __future__ import annotations
