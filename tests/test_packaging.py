@@ -113,12 +113,31 @@ def test_a_wheel_builds_from_the_sdist(sdist, tmp_path):
     assert not [n for n in names if n.startswith(("tests/", "bench/"))]
 
 
-def test_the_kernels_folder_refuses_to_be_imported_as_a_top_level_kernels():
+@pytest.mark.parametrize("pypi", [False, True], ids=["alone", "pypi-kernels-installed"])
+def test_the_kernels_folder_as_a_top_level_kernels_is_pypis_package_or_an_error(tmp_path, pypi):
     # From the checkout's root, 'import kernels' finds the folder before PyPI's package of that
-    # name (which transformers imports): a clear error there, not a half-imported module.
-    code = "import kernels"
+    # name (which transformers imports, and whose setuptools plugin a build from the root
+    # loads): PyPI's package where it is installed (here a stand-in on PYTHONPATH; python -S
+    # leaves out the site-packages of this machine), else a clear error, not a half-imported
+    # module.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pypi:
+        package = tmp_path / "site" / "kernels"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("WHO = 'pypi'\n")
+        (package / "locking.py").write_text("X = 1\n")
+        env["PYTHONPATH"] = str(tmp_path / "site")
+    code = "import kernels, kernels.locking; print(kernels.WHO, kernels.locking.X)"
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-S", "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert done.returncode != 0
-    assert "ImportError" in done.stderr and "muon_offload.kernels" in done.stderr
+    if pypi:
+        assert done.returncode == 0 and done.stdout.split() == ["pypi", "1"], done.stderr
+    else:
+        assert done.returncode != 0
+        assert "ImportError" in done.stderr and "muon_offload.kernels" in done.stderr
