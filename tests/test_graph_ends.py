@@ -250,6 +250,29 @@ def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypa
             assert torch.equal(a, b)
 
 
+def test_a_held_tail_stores_every_byte_once_in_order_a_budget_a_slice():
+    """``HeldTail.issue``: slices of at most the budget, cut inside runs and across them,
+    store the bytes of the runs in run order, each once; None stores the rest."""
+    gen = torch.Generator().manual_seed(3)
+    sizes = (5, 3000, 17, 1, 64)
+    staged = [torch.randint(1, 256, (n,), dtype=torch.uint8, generator=gen) for n in sizes]
+    host = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    tail = prefetch.HeldTail(list(zip(host, staged, strict=True)), [])
+    sched = type("Sched", (), {"cuda": False})()
+    assert tail.nbytes == sum(sizes)
+    stored = 0
+    for budget, at in ((1, (0, 1)), (4, (1, 0)), (1000, (1, 1000)), (1999, (1, 2999))):
+        assert not tail.issue(sched, budget)
+        stored += budget
+        assert (tail.run, tail.offset) == at
+        flat = torch.cat(host)
+        assert int((flat != 0).sum()) == stored and bool((flat[:stored] != 0).all())
+    assert not tail.issue(sched, 3) and (tail.run, tail.offset) == (2, 2)
+    assert tail.issue(sched, None)
+    for h, s in zip(host, staged, strict=True):
+        assert torch.equal(h, s)
+
+
 def _differs(opt, params, twin, twin_params) -> bool:
     """Whether any host state reads other bits than the twin's (without writing anything
     back: the dict the step reads)."""

@@ -55,10 +55,8 @@ def test_the_arena_and_the_loads_ahead_follow_prefetch_bytes_and_the_bits_do_not
         run = _loop(prefetch_bytes=prefetch_bytes, **kw)
         # Its own sizes: a run lands in staging at its host address's residue (transfer.py).
         staging, ring, end_to_end, sizes = _arena(run[1])
-        if prefetch_bytes is None:  # the default: a third for Muon, whatever the format
-            want = end_to_end // 3
-        else:
-            want = min(prefetch_bytes, end_to_end)
+        # The default (None): a third for Muon, whatever the format.
+        want = end_to_end // 3 if prefetch_bytes is None else min(prefetch_bytes, end_to_end)
         assert staging == max(ring, align_up(want, ARENA_ALIGN)), prefetch_bytes
         sched = run[1]._streams.scheduler
         run[1].prefetch()  # the next step's loads: the chunks laid before the arena wraps
