@@ -34,8 +34,8 @@ INFO with ``"auto"``).
 A step that streams state, and whose first loads were asked for ahead (``prefetch()``, the
 backward hook), is captured as two graphs and its last stores held, so that its first loads
 run under backward and its last stores under the next backward (``graph_ends.py``): one key,
-captured, replayed and dropped together (the held stores queued first). A step nobody prefetched is captured whole (one graph overlaps its ends with
-its own updates).
+captured, replayed and dropped together (the held stores queued first). A step nobody
+prefetched is captured whole (one graph overlaps its ends with its own updates).
 
 Meshes: NCCL collectives are captured as graph nodes. Each rank decides alone when to capture
 (its key may change at another step than another rank's), and the collectives stay paired:
