@@ -85,7 +85,7 @@ class SplitStep:
         self._head_end = torch.cuda.Event() if sched.cuda else None
         self._split = None  # the last capture's: its events live as long as the graphs
         self._tail_runs: list = []  # (host bytes, arena bytes) of the tail's chunks
-        self._held = None  # this step's tail while it is held (``prefetch.HeldTail``)
+        self._tail_waits: list = []  # the main graph's records its first slice waits for
         # Head replays from prefetch() (under backward) and by the step itself (nothing
         # prefetched, or an eager run took the arena since): graph_stats() shows both.
         self.heads_ahead = self.heads_at_step = 0
@@ -106,6 +106,7 @@ class SplitStep:
         finally:
             sched.ahead.split = None
         self._tail_runs = [run for c in split.deferred for run in sched._staged(c)[1]]
+        self._tail_waits = [*split.stored, *(e for e in split.updated if e is not None)]
 
     def prefetch(self) -> bool:
         """Replay the head (once before each main replay) on the h2d stream."""
@@ -143,16 +144,12 @@ class SplitStep:
         if sched.cuda:
             torch.cuda.current_stream(sched.device).wait_event(self._head_end)
         self.main.replay()
-        split = self._split
-        waits = [*split.stored, *(e for e in split.updated if e is not None)]
-        self._held = prefetch.HeldTail(self._tail_runs, waits)
-        prefetch.hold_tail(sched, self._held)
+        prefetch.hold_tail(sched, prefetch.HeldTail(self._tail_runs, self._tail_waits))
 
     def launch_tail(self) -> None:
-        """Queue this step's tail if it is still held (before the graphs go: nothing lost)."""
-        if self._held is not None and self.sched.ahead.tail is self._held:
-            prefetch.launch_tail(self.sched)
-        self._held = None
+        """Queue this step's tail if it is still held (before the graphs go: nothing lost;
+        a held tail of its scheduler is this step's, the one graph held)."""
+        prefetch.launch_tail(self.sched)
 
     def reset(self) -> None:
         for graph in (self.head, self.main):
