@@ -19,6 +19,7 @@ import sys
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as training_loop.py: dion eager
 
 import argparse  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import tempfile  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -88,6 +89,17 @@ def summarize(events: list[dict], gap_ms: float = 1.0, before_ms: float = 0.5) -
     }
 
 
+DEVICE_SIDE = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver")
+
+
+def save_trace(events: list[dict], path: str) -> None:
+    """The device's events of a chrome trace (kernels, copies, sets, and the runtime calls that
+    queue or wait for them), gzipped: the host's operator events make it ten times larger."""
+    kept = [e for e in events if e.get("cat") in DEVICE_SIDE or e.get("ph") == "M"]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": kept}, f)
+
+
 def parse(argv):
     ap = argparse.ArgumentParser("loop_copies.py", description=__doc__.split("\n\n")[0])
     ours = [m for m in MODES if m.startswith("ours_")]
@@ -99,6 +111,9 @@ def parse(argv):
     ap.add_argument("--tiny", action="store_true", help="tiny models for CPUs")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     ap.add_argument("--json", default=None, help="write the summary to this JSON file")
+    ap.add_argument(
+        "--trace", default=None, help="write the trace's device events (gzipped JSON) here"
+    )
     args = ap.parse_args(argv)
     loop_argv = ["--models", args.model, "--modes", args.mode, "--warmup", str(args.warmup)]
     loop_argv += ["--tiny"] * args.tiny + (["--device", args.device] if args.device else [])
@@ -123,15 +138,20 @@ def main(argv: list[str] | None = None) -> int:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.iters):
-            copy.iteration(tokens[copy.done], meter, timed=False)
+            copy.iteration(tokens[copy.done], meter, timed=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
     summary = summarize(events, args.gap_ms)
+    summary["step_ms"] = [round(ms, 3) for ms in copy.step_ms]  # the profiled steps' GPU ms
+    summary["iter_s"] = [round(s, 4) for s in copy.iter_s]
+    if args.trace:
+        save_trace(events, args.trace)
     result = {"info": environment(loop, None, ["bench/loop_copies.py", *(argv or sys.argv[1:])])}
     result |= {"mode": args.mode, "model": args.model, "iters": args.iters, **summary}
+    print(f"steps GPU ms {summary['step_ms']}, iterations s {summary['iter_s']}")
     print(
         f"{args.model} {args.mode}: {summary['copies']} copies over {summary['window_ms']} ms; "
         f"{len(summary['load_stalls'])} load stalls, {summary['load_stall_ms']} ms"

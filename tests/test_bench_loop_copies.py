@@ -2,6 +2,7 @@
 the stores that ended just before each), on made-up trace events; and the script's run on the
 CPU (no copies there: an empty summary, the file written)."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -59,6 +60,7 @@ def test_the_script_runs_on_the_cpu_and_writes_its_summary(tmp_path):
     out = tmp_path / "copies.json"
     cmd = [sys.executable, str(ROOT / "bench" / "loop_copies.py"), "--mode", "ours_offload_fp32"]
     cmd += ["--tiny", "--device", "cpu", "--iters", "1", "--warmup", "1", "--json", str(out)]
+    cmd += ["--trace", str(tmp_path / "trace.json.gz")]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -66,3 +68,7 @@ def test_the_script_runs_on_the_cpu_and_writes_its_summary(tmp_path):
     assert result["mode"] == "ours_offload_fp32" and result["copies"] == 0
     assert result["info"]["command"].startswith("bench/loop_copies.py --mode ours_offload_fp32")
     assert "0 load stalls" in proc.stdout
+    assert len(result["step_ms"]) == 1 and len(result["iter_s"]) == 1
+    with gzip.open(tmp_path / "trace.json.gz", "rt") as f:
+        kept = json.load(f)["traceEvents"]
+    assert all(e.get("cat") in loop_copies.DEVICE_SIDE or e.get("ph") == "M" for e in kept)
