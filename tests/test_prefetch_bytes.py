@@ -7,6 +7,7 @@ ahead and the results, which do not depend on it, bit for bit."""
 import pytest
 import torch
 from _mixed_runs import assert_bitwise
+from test_scheduler import _chunks
 
 from muon_offload import AdamW, Muon
 from muon_offload.engine.graph_ends import tail_of
@@ -108,20 +109,17 @@ def test_the_default_is_a_third_of_muon_state_at_most_2_gib_else_none(state_dtyp
     assert given.staging_for(30 << 30) == 5 << 20
 
 
-def _critical_path(monkeypatch, staging, ahead: bool):
+def _critical_path(monkeypatch, staging, ahead: bool, transfers):
     """The step's time on test_scheduler's stand-in streams when each load and store takes its
     bytes (one link each way) and each update a fifth of them (a link-bound step, as fp32
     state's): the longest path of the dependency graph the scheduler queues, with the next
     step's first loads queued ahead (``prefetch.issue``: done before the step) or not.
-    Returns (that time, the bytes loaded ahead, the largest chunk's). A transfer's bytes vary
-    by a few with its host address's residue (transfer.py): bounds, not equalities."""
-    from test_scheduler import _chunks, _Cuda
+    Returns (that time, the bytes loaded ahead, the largest chunk's)."""
+    from test_scheduler import _Cuda
 
     from muon_offload.engine import prefetch
 
     cuda = _Cuda(monkeypatch)
-    sizes = [256, 256, 512, 1024] + [2048] * 24 + [1024, 512, 256, 256]  # tapered ends
-    _, _, transfers = _chunks(sizes)
     sched = cuda.scheduler(staging=staging)
     sched.run(transfers, lambda i, views: cuda.current._add())
     if ahead:
@@ -150,8 +148,12 @@ def test_loads_ahead_come_off_the_steps_critical_path(monkeypatch, chunks_ahead)
     they take). The ring alone, three chunks, takes next to nothing off: its first loads after
     the wrap wait for the stores of the chunks it loaded ahead."""
     staging = lambda n: n * chunks_ahead // 32  # noqa: E731
-    alone, _, _ = _critical_path(monkeypatch, staging, ahead=False)
-    step, loaded, largest = _critical_path(monkeypatch, staging, ahead=True)
+    sizes = [256, 256, 512, 1024] + [2048] * 24 + [1024, 512, 256, 256]  # tapered ends
+    # The same transfers both ways: their bytes vary by a few with the host slab's address
+    # residue (transfer.py), and the arena and its layout with them.
+    _, _, transfers = _chunks(sizes)
+    alone, _, _ = _critical_path(monkeypatch, staging, False, transfers)
+    step, loaded, largest = _critical_path(monkeypatch, staging, True, transfers)
     assert loaded > 0 and step <= alone - (loaded - 2 * largest), (step, alone, loaded)
     if chunks_ahead == 16:
         assert step < 0.7 * alone
