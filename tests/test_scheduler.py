@@ -27,18 +27,8 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def _check_lanes(layout, lanes):
-    """Each load waits for the latest of its sharers in each lane, and nothing else: a
-    lane's stores run in order, so that covers every sharer."""
-    for waits, mine in zip(layout.waits, layout.load_waits, strict=True):
-        assert set(mine) <= set(waits) and len({lanes[j] for j in mine}) == len(mine)
-        for j in waits:
-            assert any(lanes[i] == lanes[j] and i >= j for i in mine), (j, waits, mine)
-
-
-def _check_layout(sizes, arena, lanes=()):
-    layout = place(sizes, arena, lanes)
-    _check_lanes(layout, lanes or [False] * len(sizes))
+def _check_layout(sizes, arena):
+    layout = place(sizes, arena)
     ranges = [(o, o + n) for o, n in zip(layout.offsets, sizes, strict=True)]
     before: list[set[int]] = []  # chunks whose stores each chunk's load follows
     for k, (start, end) in enumerate(ranges):
@@ -62,9 +52,7 @@ def test_place_random_sizes(ring):
         largest = rng.randrange(1, 64) * ALIGN_BYTES
         sizes = [rng.randrange(0, largest // ALIGN_BYTES + 1) * ALIGN_BYTES for _ in range(30)]
         sizes[rng.randrange(30)] = largest
-        lanes = [rng.random() < 0.5 for _ in sizes]
-        layout = _check_layout(sizes, ring * align_up(largest, ARENA_ALIGN), lanes)
-        assert layout.offsets == place(sizes, ring * align_up(largest, ARENA_ALIGN)).offsets
+        layout = _check_layout(sizes, ring * align_up(largest, ARENA_ALIGN))
         if ring >= 3:  # room for two of the largest beside any chunk: neighbours never collide
             assert all(k - 1 not in w for k, w in enumerate(layout.waits)), layout
 
@@ -220,14 +208,12 @@ class _Cuda:
     def scheduler(self, **kwargs) -> StreamScheduler:
         sched = StreamScheduler(torch.device("cpu"), **kwargs)
         sched.cuda = True
-        for name in ("h2d", "d2h", "side", "side_d2h"):
+        for name in ("h2d", "d2h", "side"):
             setattr(sched, f"{name}_stream", _Stream(self.log, name))
         return sched
 
     def streams(self, sched) -> list[_Stream]:
-        return [self.compute] + [
-            getattr(sched, f"{n}_stream") for n in ("h2d", "d2h", "side", "side_d2h")
-        ]
+        return [self.compute] + [getattr(sched, f"{n}_stream") for n in ("h2d", "d2h", "side")]
 
 
 def _before(a: _Node, b: _Node) -> bool:
@@ -267,7 +253,7 @@ def _run_steps(cuda, sched, transfers, side, steps=2):
 
         sched.run(transfers, update, side)
         after = cuda.compute._add()  # what follows the step
-        left = () if cuda.capturing else ("d2h", "side_d2h")
+        left = () if cuda.capturing else ("d2h",)
         for s in cuda.streams(sched):  # events of this step only, or the last step's stores
             assert all(w.deps[-1].index >= start or w.deps[-1].stream in left for w in s.waits)
         step = {(c, stage): (a.node, b.node) for c, stage, a, b in marks}
@@ -289,8 +275,8 @@ def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pat
     compute stream queued before the step, and what it queues after follows every update,
     and every store only under a graph capture (eager steps leave their stores running under
     what follows, prefetch.py). Chunks marked ``side`` (with ``pattern``; a resident one among
-    them) update on the side stream and store on the side d2h stream, the others on the
-    compute and d2h streams.
+    them) update on the side stream, the others on the compute stream; every store is queued on
+    the d2h stream, in plan order.
     Ring 2: neighbours share bytes, so a load is queued only after the store it waits for."""
     cuda = _Cuda(monkeypatch)
     cuda.capturing = capturing
@@ -318,7 +304,9 @@ def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pat
             assert _before(before, kernel) and _before(kernel, after)
         for k in range(len(sizes)):
             c = k + 1
-            assert step[c, "store"][0].stream == ("side_d2h" if on_side[c] else "d2h")
+            assert step[c, "store"][0].stream == "d2h"
+            if c > 1:  # in plan order, whichever lane updated them
+                assert _before(step[c - 1, "store"][1], step[c, "store"][0])
             assert _before(step[c, "load"][1], step[c, "update"][0])
             assert _before(step[c, "update"][1], step[c, "store"][0])
             assert _before(before, step[c, "update"][0])
@@ -328,9 +316,9 @@ def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pat
                 if _overlap(ranges[j], ranges[k]):
                     assert _before(step[j + 1, "store"][1], step[c, "load"][0]), (j, k)
             if ring == 3 and c > 1 and on_side[c] and not on_side[c - 1]:
-                # Beside the Muon chunk before it: neither its update nor its store waits
-                # for that chunk's update (their bytes do not meet with a ring of three).
-                assert not _before(step[c - 1, "update"][0], step[c, "store"][1]), c
+                # Beside the Muon chunk before it: its update does not wait for that chunk's
+                # (their bytes do not meet with a ring of three); its store follows that one's.
+                assert not _before(step[c - 1, "update"][0], step[c, "update"][1]), c
     first, second = steps[0][0], steps[1][0]
     for _, a in steps[0][1].values():
         assert all(_before(a, b) for _, b in steps[1][1].values())
@@ -356,28 +344,26 @@ def test_side_lane_off_and_no_side_chunks_fork_only_the_transfer_streams(monkeyp
     ):
         ((step, ran_on, _, _),) = _run_steps(cuda, sched, transfers, side, steps=1)
         assert {s for s, _ in ran_on.values()} == {"compute"}
-        assert sched.side_stream.last is None and sched.side_d2h_stream.last is None
-        # A load waits for the latest of the stores whose bytes it takes, as before.
-        assert sched.layout.load_waits == tuple(
-            (j,) if j >= 0 else () for j in sched.layout.issue_after
-        )
+        assert sched.side_stream.last is None
 
 
 @pytest.mark.parametrize("pattern", ["alternate", "pairs"])
-def test_load_waits_name_the_latest_sharer_of_each_lane(monkeypatch, pattern):
-    """Ring 2: a load waits for the latest chunk of each lane whose bytes it takes (a lane's
-    stores run in order), and only for chunks whose bytes it takes. Chunk 3 takes the bytes
-    of chunks 0 and 1: two waits when they ran in two lanes, one when in the same lane."""
+def test_a_load_waits_for_the_latest_store_it_needs_whichever_lane_updated_it(monkeypatch, pattern):
+    """Ring 2: chunk 3 takes the bytes of chunks 0 and 1. Its load waits for one store, chunk
+    1's, whichever lanes updated 0 and 1: every store is queued on the d2h stream in plan order
+    (the copy engine runs a store of a stream of its own behind the other stream's queued
+    ones), so chunk 1's store follows chunk 0's."""
     cuda = _Cuda(monkeypatch)
     sizes = [4096, 4096, 8192, 8192, 4096, 4096, 8192, 4096]
     transfers = [Transfer((), (), n) for n in sizes]
     side = tuple((i if pattern == "alternate" else i // 2) % 2 == 1 for i in range(len(sizes)))
     sched = cuda.scheduler(ring=2)
-    sched.prepare(transfers, side)
-    waits = sched.layout.waits
-    assert waits[3] == (0, 1), waits
-    _check_lanes(sched.layout, side)
-    assert sched.layout.load_waits[3] == ((0, 1) if pattern == "alternate" else (1,))
+    ((step, _, _, _),) = _run_steps(cuda, sched, transfers, side, steps=1)
+    assert sched.layout.waits[3] == (0, 1) and sched.layout.issue_after[3] == 1
+    load_3 = step[3, "load"][0]
+    assert [w for w in sched.h2d_stream.waits if _before(w, load_3)][-1].event is sched._stored[1]
+    assert _before(step[0, "store"][1], step[1, "store"][0])
+    assert {s.name for s in cuda.streams(sched) if s.last is not None} >= {"side", "d2h"}
 
 
 def test_side_marks_one_a_chunk():

@@ -19,7 +19,7 @@ instead as
   slice at a time, so that no small copy to the host that the forward or backward waits for
   (an MoE's routing) queues behind all of them on the copy engine. The first slice waits for
   external events that the main graph records (CUDA's event record nodes): each tail chunk's
-  update end, and the main graph's last store of each store stream (``prefetch.stores_end``).
+  update end, and the main graph's last store (``prefetch.stores_end``).
 
 Head and main are captured as the main graph alone was (graphs.py), in one step, under one
 key: a key change drops both (the held stores queued first), a capture miss in either gives

@@ -20,7 +20,7 @@ beside them, the first loads and the last stores, so:
   stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
   (while graphs are in use an eager step joins them: the capture that may follow waits on no
   event recorded before it). The scheduler keeps an event
-  for each store stream; the next run's loads and any prefetch wait for them (``wait_stores``),
+  for the d2h stream; the next run's loads and any prefetch wait for them (``wait_stores``),
   and whatever reads host state or gives staging bytes back waits on the host (``finish``, the
   optimizer's ``Streams.synchronize``: ``state_dict``, copies and saves, ``load_state_dict``,
   state dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
@@ -109,7 +109,7 @@ def defer(sched, k: int, chunk: int, stream=None) -> bool:
 
 def stores_end(sched, forked: list) -> None:
     """At the end of a main graph's capture: record an external event after the last store
-    queued on each store stream among ``forked`` (the run's), for the tail to wait for first.
+    queued on the d2h stream (if among ``forked``, the run's), for the tail to wait for first.
 
     The copy engine that writes device bytes to the host runs the copies of every stream,
     roughly in the order they become ready: a tail store queued beside the main graph's own
@@ -191,7 +191,7 @@ TAIL_SLICES = 32
 class HeldTail:
     """The stores a replayed main graph left out (graph_ends.py): ``runs``, (host bytes, arena
     bytes) in run order, issued in slices on the d2h stream, the first after ``waits`` (the
-    main graph's external events: each chunk's update, each store stream's last store)."""
+    main graph's external events: each chunk's update, the last store)."""
 
     def __init__(self, runs: list, waits: list) -> None:
         self.runs, self.waits = runs, waits
@@ -267,7 +267,7 @@ def settle_tail(sched) -> None:
 
 
 def leave_stores(sched, forked: list) -> list:
-    """At the end of an eager run that raised nothing: record each store stream's end and
+    """At the end of an eager run that raised nothing: record the d2h stream's end and
     return the forked streams the caller's stream still waits for (loads, side updates)."""
     stores = _store_streams(sched, forked)
     record_stores(sched, stores)
@@ -285,11 +285,7 @@ def record_stores(sched, streams: list) -> None:
 
 
 def _store_streams(sched, forked: list) -> list:
-    return [s for s in forked if s is sched.d2h_stream or s is _side_d2h(sched)]
-
-
-def _side_d2h(sched):
-    return getattr(sched, "side_d2h_stream", None)
+    return [s for s in forked if s is sched.d2h_stream]
 
 
 def finish(sched) -> None:

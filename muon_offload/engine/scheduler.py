@@ -1,27 +1,30 @@
 """The stream scheduler: moves each chunk's state host -> device, lets the caller update it,
-and writes it back, the stages of consecutive chunks overlapped, in two lanes.
+and writes it back, the stages of consecutive chunks overlapped, the updates in two lanes.
 
     h2d stream        load 0 | load 1 | load 2 | load 3 | load 4 | ...
     compute stream           | upd 0 (Muon) ...........| upd 3 (Muon) ...
     side stream                       | upd 1 | upd 2 |         | upd 4
-    d2h stream                                         | store 0 |
-    side d2h stream                           | store 1 | store 2 |
+    d2h stream                                         | store 0 | store 1 | store 2 | ...
 
-The main lane (the caller's current stream, the *compute* stream, and the d2h stream) runs
-the chunks that hold matrix units (Muon's): compute-bound updates, and collectives that must
-run in plan order on every rank. The side lane (a side stream and a side d2h stream) runs the
-chunks marked ``side``, the plan's element-wise-only ones (``planner.elementwise_only``): their
-memory-bound updates overlap the matrix products, and their stores do not queue behind a
-matrix chunk's, so their staging bytes are soon free for later loads. With one lane an AdamW
-chunk held its bytes through the ~8 ms update of the Muon chunk before it (docs/design.md step 3).
-Loads run in plan order on the one h2d stream. ``side_lane=False``: one lane.
+The main lane (the caller's current stream, the *compute* stream) runs the chunks that hold
+matrix units (Muon's): compute-bound updates, and collectives that must run in plan order on
+every rank. The side lane (a side stream) runs the chunks marked ``side``, the plan's
+element-wise-only ones (``planner.elementwise_only``): their memory-bound updates overlap the
+matrix products. ``side_lane=False``: one lane. Loads run in plan order on the one h2d stream,
+stores of both lanes in plan order on the one d2h stream: the copy engine that writes to the
+host runs the copies of every stream about in the order they become ready, so a side lane's
+store on a stream of its own ran behind every main store queued before it was ready, and the
+load that waited for its bytes with it (on the H200, a Qwen3-MoE step with a third of its
+state loaded ahead took 106 ms against 83 with one store stream: docs/benchmarks.md, "One
+store stream"). In plan order, a load waits only for stores the engine runs before those of
+the chunks it needs next.
 
 Streams, events and the staging arena are the scheduler's, created once. Ordering is by
 events only (no host sync inside a step): its streams first wait for what the compute stream
 has queued (the step's gradients and scalar table, the previous step); a chunk's update waits
 for its load, its store for its update (on whichever stream ran it), a load for the stores of
-the earlier chunks whose staging bytes it overwrites (the latest of each lane: a lane's
-stores run in order). At the end the compute stream waits for the updates (side stream and
+the earlier chunks whose staging bytes it overwrites (the latest of them: stores run in
+order). At the end the compute stream waits for the updates (side stream and
 loads), not for the stores, which finish under what the caller queues next (the forward):
 the next run's loads, loads queued ahead of it (``prefetch()``) and every host reader of the
 state wait for them instead (``prefetch.py``); after an error or under a graph capture it
@@ -71,19 +74,17 @@ class ArenaLayout:
 
     offsets: tuple[int, ...]  # each chunk's first byte in the arena
     waits: tuple[tuple[int, ...], ...]  # earlier chunks whose stores the chunk's load must follow
-    issue_after: tuple[int, ...]  # the latest of them (-1: none): the load is queued once the
-    # host has queued that store (the host queues stores in run order)
-    load_waits: tuple[tuple[int, ...], ...]  # of ``waits``, the latest of each lane: the
-    # stores the load waits for (a lane's stores run in order: the latest follows the others)
+    issue_after: tuple[int, ...]  # the latest of them (-1: none): the store the load waits
+    # for (stores run in order: it follows the others) and is queued after
 
 
-def place(sizes: Sequence[int], arena_bytes: int, lanes: Sequence[bool] = ()) -> ArenaLayout:
+def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
     """Lay chunks of ``sizes`` bytes (in run order) into an arena of ``arena_bytes``: each
     starts where the previous one ended, rounded up to ARENA_ALIGN, or at 0 when it would not
     fit before the end. A chunk's load waits for the latest earlier chunk holding each of its
     bytes; every earlier chunk that shares a byte with it is then ordered before it, directly
-    or through that chunk's own load (its store follows its load). ``lanes[k]``: the lane
-    chunk k is stored in (default: one lane). Pure: tested without a GPU.
+    or through that chunk's own load (its store follows its load). Pure: tested without a
+    GPU.
     """
     offsets, waits = [], []
     owners: list[tuple[int, int, int]] = []  # (start, end, chunk): the latest holder, disjoint
@@ -108,10 +109,8 @@ def place(sizes: Sequence[int], arena_bytes: int, lanes: Sequence[bool] = ()) ->
         owners = kept
         offsets.append(start)
         cursor = end
-    lanes = lanes or (False,) * len(sizes)
-    latest = tuple(tuple(sorted({lanes[j]: j for j in w}.values())) for w in waits)  # w ascends
     issue_after = tuple(max(w, default=-1) for w in waits)
-    return ArenaLayout(tuple(offsets), tuple(waits), issue_after, latest)
+    return ArenaLayout(tuple(offsets), tuple(waits), issue_after)
 
 
 class StreamScheduler:
@@ -151,7 +150,6 @@ class StreamScheduler:
             self.d2h_stream = torch.cuda.Stream(self.device)
             if side_lane:
                 self.side_stream = torch.cuda.Stream(self.device)
-                self.side_d2h_stream = torch.cuda.Stream(self.device)
         # When set to a list, each step appends (chunk, stage, start, end) per chunk and stage
         # ("load", "update", "store"): CUDA events on the GPU, perf_counter seconds on the CPU.
         # None (default) records nothing. ``timeline.stage_rows`` turns it into milliseconds.
@@ -200,8 +198,7 @@ class StreamScheduler:
         at_least = self.staging(end_to_end) if self.staging is not None else 0
         self.reserve(max(self._sizes, default=0), len(self._sizes), at_least)
         if self._layout is None:
-            lanes = [self._on_side[i] for i in self._streamed]
-            self._layout = place(self._sizes, self.staging_bytes, lanes)
+            self._layout = place(self._sizes, self.staging_bytes)
             if self.cuda:
                 for events in (self._loaded, self._updated, self._stored):
                     events.extend(torch.cuda.Event() for _ in range(len(self._sizes) - len(events)))
@@ -282,9 +279,9 @@ class StreamScheduler:
                 compute.wait_stream(stream)
 
     def _forked(self, side: bool) -> list:
-        """The streams a run forks: h2d, d2h, and with ``side`` the side lane's two."""
-        both = [self.side_stream, self.side_d2h_stream] if side and self.side_lane else []
-        return [self.h2d_stream, self.d2h_stream, *both]
+        """The streams a run forks: h2d, d2h, and with ``side`` the side lane's."""
+        lane = [self.side_stream] if side and self.side_lane else []
+        return [self.h2d_stream, self.d2h_stream, *lane]
 
     def _run_streams(self, transfers, update, compute, next_load: int) -> None:
         """``next_load``: the streamed chunks loaded ahead of the run (``prefetch.take``)."""
@@ -318,7 +315,7 @@ class StreamScheduler:
                 self._updated[k].record(stream)
             if prefetch.defer(self, k, i, stream):  # to the held tail: no load waits for it
                 continue
-            d2h = self.side_d2h_stream if side else self.d2h_stream
+            d2h = self.d2h_stream  # both lanes' stores, in plan order (the module's docstring)
             with torch.cuda.stream(d2h):
                 d2h.wait_event(self._updated[k])
                 marks = self._mark(i, "store", d2h)
@@ -333,9 +330,10 @@ class StreamScheduler:
         h2d = self.h2d_stream if self.cuda else None
         with torch.cuda.stream(h2d):  # None: no stream switched
             # The chunks whose bytes this load takes must be written back (and so done being
-            # updated) first: the latest store of each lane (``place``).
-            for j in self._layout.load_waits[k] if h2d else ():
-                h2d.wait_event(self._stored[j])
+            # updated) first: the latest of their stores, which follows the others (``place``).
+            latest = self._layout.issue_after[k]
+            if h2d and latest >= 0:
+                h2d.wait_event(self._stored[latest])
             marks = self._mark(chunk, "load", h2d)
             for host, staged in self._staged(chunk)[1]:
                 staged.copy_(host, non_blocking=self.cuda)
