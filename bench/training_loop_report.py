@@ -44,6 +44,8 @@ def row(copy) -> dict:
         "held_gib": gib(copy.held),
         "own_peak_gib": gib(own),
         "host_state_gib": gib(getattr(opt, "host_state_bytes", None)),
+        "staging_gib": gib(getattr(opt, "staging_bytes", None)),
+        "prefetch_bytes": getattr(opt, "prefetch_bytes", None),  # None: the default
         "median_phase_ms": {k: median(v) for k, v in copy.phase_ms.items()},
         "phase_ms": copy.phase_ms,
         "median_b2b_phase_ms": {k: median(v) for k, v in copy.b2b_phase_ms.items()},
