@@ -149,11 +149,11 @@ OURS = {
     "ours_offload_fp32_half": dict(offload=True),
     "ours_offload_int8_ring": dict(offload=True, state_dtype=torch.int8, prefetch_bytes=0),
 }
-# Twins of graphed modes with ``cuda_graph=False``: every step eager, as a first step, a
-# closure or a changed set of gradients runs; their host ms is what the host takes to issue it.
 # Modes whose prefetch_bytes is this share of their streamed state (``host_state_bytes``),
 # assigned after the first warm-up iteration; the warm-up iterations after it capture anew.
 AHEAD_SHARE = {"ours_offload_fp32_half": 0.5}
+# Twins of graphed modes with ``cuda_graph=False``: every step eager, as a first step, a
+# closure or a changed set of gradients runs; their host ms is what the host takes to issue it.
 EAGER = {
     f"{m}_eager": m for m in ("ours_resident", "ours_offload_int8", "ours_offload_int8_512mib")
 }
