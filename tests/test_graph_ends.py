@@ -193,7 +193,6 @@ def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypa
             assert any(_before(end.node, e.node) for e in last_stores)
     assert not head.records + head.waited + main.waited
     sched.timeline = None
-    d2h = sched.d2h_stream
     last_main = last_forward = None
     tail_bytes = sum(host.numel() for host, _ in split._tail_runs)
     monkeypatch.setattr(prefetch, "TAIL_SLICE_BYTES", tail_bytes // 3 + 1)  # three slices
@@ -203,7 +202,7 @@ def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypa
     def launch(sched):
         queued = original(sched)
         if queued:
-            tail_ends.append(sched.ahead.stores[d2h].node)
+            tail_ends.append(sched.ahead.stored.node)
         return queued
 
     monkeypatch.setattr(prefetch, "launch_tail", launch)
@@ -214,7 +213,7 @@ def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypa
             if last_main is not None:  # two hooks: two slices, each after the main graph
                 for _ in range(2):
                     assert not prefetch.pace_tail(sched) and sched.ahead.tail is not None
-                    t = sched.ahead.stores[d2h].node
+                    t = sched.ahead.stored.node
                     assert all(_before(e.node, t) for e in waited)
                     assert not _before(last_forward, t) and not _before(backward, t)
             assert split.prefetch() and split.prefetch()

@@ -39,7 +39,7 @@ outside any capture:
 - The main graph follows the head (its updates read the head's bytes; its own loads take
   bytes whose last holders it waits for inside the graph, after the head's chunks).
 - The tail's end is what the next head, an eager step's loads (``prefetch.take``), and every
-  host reader (``finish``: the d2h stream) wait for, as ``ahead.stores``; each queues what is
+  host reader (``finish``: the d2h stream) wait for, as ``ahead.stored``; each queues what is
   left of it first (``prefetch.launch_tail``), and ``opt.state`` waits for it on the host.
 
 Only a step whose first loads were asked for ahead (``prefetch()``, the backward hook: the

@@ -19,8 +19,8 @@ beside them, the first loads and the last stores, so:
 - An eager step on CUDA, while no CUDA graph is in use, leaves its stores running: the compute
   stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
   (while graphs are in use an eager step joins them: the capture that may follow waits on no
-  event recorded before it). The scheduler keeps an event
-  for the d2h stream; the next run's loads and any prefetch wait for them (``wait_stores``),
+  event recorded before it). The scheduler keeps an event at the end of the d2h stream's
+  stores; the next run's loads and any prefetch wait for it (``wait_stores``),
   and whatever reads host state or gives staging bytes back waits on the host (``finish``, the
   optimizer's ``Streams.synchronize``: ``state_dict``, copies and saves, ``load_state_dict``,
   state dropped or moved, ``host_buffers``, ``reconfigure``). A step under CUDA graph capture joins
@@ -56,7 +56,7 @@ class Ahead:
         self.side = None
         self.loads = 0  # how many of their first streamed chunks are loading
         self.runs = 0  # runs started: the backward hook prefetches once a run
-        self.stores: dict = {}  # store stream -> event recorded at the end of the last run
+        self.stored = None  # an event at the end of the d2h stream's stores of the last run
         self.open = False  # the last run left its stores running (no error, no capture)
         self.leave = True  # whether the next run may leave them running (no graph in use)
         # Whether prefetch() was asked for (the backward hook's call or the user's) since the
@@ -107,9 +107,9 @@ def defer(sched, k: int, chunk: int, stream=None) -> bool:
     return True
 
 
-def stores_end(sched, forked: list) -> None:
+def stores_end(sched) -> None:
     """At the end of a main graph's capture: record an external event after the last store
-    queued on the d2h stream (if among ``forked``, the run's), for the tail to wait for first.
+    queued on the d2h stream, for the tail to wait for first.
 
     The copy engine that writes device bytes to the host runs the copies of every stream,
     roughly in the order they become ready: a tail store queued beside the main graph's own
@@ -119,10 +119,9 @@ def stores_end(sched, forked: list) -> None:
     split = sched.ahead.split
     if split is None or not sched.cuda:
         return
-    for stream in _store_streams(sched, forked):
-        event = torch.cuda.Event(external=True)
-        event.record(stream)
-        split.stored.append(event)
+    event = torch.cuda.Event(external=True)
+    event.record(sched.d2h_stream)
+    split.stored.append(event)
 
 
 def issue(sched, transfers, side) -> int:
@@ -172,8 +171,8 @@ def wait_stores(sched) -> None:
     """The h2d stream waits for the stores the last runs left running (a held tail's
     launched first)."""
     launch_tail(sched)
-    for event in sched.ahead.stores.values():
-        sched.h2d_stream.wait_event(event)
+    if sched.ahead.stored is not None:
+        sched.h2d_stream.wait_event(sched.ahead.stored)
 
 
 # The stores a replayed step held back go out in slices, one from each gradient hook of the
@@ -217,7 +216,7 @@ class HeldTail:
                 done = end == host.numel()
                 self.run, self.offset = (self.run + 1, 0) if done else (self.run, end)
         if cuda:
-            record_stores(sched, [sched.d2h_stream])
+            record_stores(sched)
         return self.run == len(runs)
 
 
@@ -242,7 +241,7 @@ def pace_tail(sched) -> bool:
     tail = sched.ahead.tail
     if tail is None:
         return True
-    if sched.cuda and tail.started and not sched.ahead.stores[sched.d2h_stream].query():
+    if sched.cuda and tail.started and not sched.ahead.stored.query():
         return False
     if tail.issue(sched, max(TAIL_SLICE_BYTES, -(-tail.nbytes // TAIL_SLICES))):
         sched.ahead.tail = None
@@ -263,29 +262,23 @@ def settle_tail(sched) -> None:
     """Queue what is left of a held tail and wait on the host for its stores (a read of
     host state)."""
     if launch_tail(sched) and sched.cuda:
-        sched.ahead.stores[sched.d2h_stream].synchronize()
+        sched.ahead.stored.synchronize()
 
 
 def leave_stores(sched, forked: list) -> list:
     """At the end of an eager run that raised nothing: record the d2h stream's end and
     return the forked streams the caller's stream still waits for (loads, side updates)."""
-    stores = _store_streams(sched, forked)
-    record_stores(sched, stores)
-    return [s for s in forked if not any(s is t for t in stores)]
+    record_stores(sched)
+    return [s for s in forked if s is not sched.d2h_stream]
 
 
-def record_stores(sched, streams: list) -> None:
-    """Record the end of each store stream, left running: the next loads wait for them."""
+def record_stores(sched) -> None:
+    """Record the end of the d2h stream's stores, left running: the next loads wait for it."""
     ahead = sched.ahead
-    for stream in streams:
-        if stream not in ahead.stores:
-            ahead.stores[stream] = torch.cuda.Event()
-        ahead.stores[stream].record(stream)
+    if ahead.stored is None:
+        ahead.stored = torch.cuda.Event()
+    ahead.stored.record(sched.d2h_stream)
     ahead.open = True
-
-
-def _store_streams(sched, forked: list) -> list:
-    return [s for s in forked if s is sched.d2h_stream]
 
 
 def finish(sched) -> None:

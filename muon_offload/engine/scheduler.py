@@ -269,7 +269,7 @@ class StreamScheduler:
         ahead = prefetch.take(self, transfers, side, capturing)
         try:
             self._run_streams(transfers, update, compute, ahead)
-            prefetch.stores_end(self, forked)  # a held tail's stores follow them
+            prefetch.stores_end(self)  # a held tail's stores follow them
             if self.ahead.leave and not capturing:  # the stores finish under what follows
                 joined = prefetch.leave_stores(self, forked)
         finally:
