@@ -7,7 +7,7 @@ ahead and the results, which do not depend on it, bit for bit."""
 import pytest
 import torch
 from _mixed_runs import assert_bitwise
-from test_scheduler import _chunks
+from test_scheduler import _chunks, _Cuda
 
 from muon_offload import AdamW, Muon
 from muon_offload.engine.graph_ends import tail_of
@@ -115,8 +115,6 @@ def _critical_path(monkeypatch, staging, ahead: bool, transfers):
     state's): the longest path of the dependency graph the scheduler queues, with the next
     step's first loads queued ahead (``prefetch.issue``: done before the step) or not.
     Returns (that time, the bytes loaded ahead, the largest chunk's)."""
-    from test_scheduler import _Cuda
-
     from muon_offload.engine import prefetch
 
     cuda = _Cuda(monkeypatch)
