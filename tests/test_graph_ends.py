@@ -356,3 +356,43 @@ def test_a_miss_in_either_capture_gives_graphs_up(monkeypatch, failing):
     assert "the capture failed: CaptureMiss" in stats["off"], stats
     assert stats["replays"] == 0 and len(made) == 2
     assert all(g.was_reset for g in made)
+
+
+def test_a_new_staging_budget_keeps_the_backward_hooks_prefetching(monkeypatch):
+    """``prefetch_bytes`` changed after the first step: the next step runs on a new scheduler
+    (a new arena), whose run count starts afresh. The backward hooks still prefetch once a
+    run of it, so the step captured after is split and its head runs ahead from then on (the
+    hooks once compared the new scheduler's count with the old one's, skipped the prefetch
+    before the capture, and the step was captured whole for good). Bitwise the eager twin."""
+    made: list[RecordingGraph] = []
+    pair = _pair(monkeypatch, made, SHAPES, chunk_bytes=3000)
+    (opt, params), (twin, twin_params) = pair
+    for s in range(6):
+        for o, ps in pair:
+            _backward(ps, s, BF16_GRADS)
+            o.step()
+            o.zero_grad()
+            if s == 0:
+                o.prefetch_bytes = 9000
+        _assert_twins(params, opt, twin_params, twin, s)
+    stats = opt.graph_stats()
+    assert isinstance(opt._graphing.graphs.held, SplitStep), stats
+    assert stats["captures"] == 1 and stats["heads_ahead"] >= 2, stats
+
+
+def test_a_new_scheduler_keeps_whether_the_loop_prefetches(monkeypatch):
+    """New budgets make a new scheduler for the next step, after that step's backward hooks
+    asked the old one for loads ahead. Where the step is captured at once (its graph key
+    settled: the new arena may take the old one's addresses), it is split as the old
+    scheduler's would have been, not captured whole for good."""
+    made: list[RecordingGraph] = []
+    (opt, params), _ = _pair(monkeypatch, made, SHAPES, chunk_bytes=3000)
+    _backward(params, 0, BF16_GRADS)
+    opt.step()
+    opt.zero_grad()
+    _backward(params, 1, BF16_GRADS)  # the hooks prefetch for the old scheduler
+    old = opt._streams.scheduler
+    assert old.ahead.asked
+    opt.prefetch_bytes = 9000
+    new = opt._streams.for_step(torch.device("cpu"))
+    assert new is not old and new.ahead.asked

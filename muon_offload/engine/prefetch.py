@@ -56,6 +56,7 @@ class Ahead:
         self.side = None
         self.loads = 0  # how many of their first streamed chunks are loading
         self.runs = 0  # runs started: the backward hook prefetches once a run
+        self.hooked_run = -1  # the run the last backward hook prefetched after
         self.stored = None  # an event at the end of the d2h stream's stores of the last run
         self.open = False  # the last run left its stores running (no error, no capture)
         self.leave = True  # whether the next run may leave them running (no graph in use)
@@ -313,7 +314,6 @@ class Prefetcher:
         self._store, self._handed_scales, self._graphing = store, handed_scales, graphing
         self._hooks: list = []
         self._hooked: set[int] = set()  # ids of the parameters hooked
-        self._prefetched_run = -1  # the scheduler's run the last hook prefetched after
         weakref.finalize(self, _remove, self._hooks)
 
     def prefetch(self) -> bool:
@@ -341,8 +341,10 @@ class Prefetcher:
         sched = self._streams.scheduler
         if sched is None or not pace_tail(sched):  # the last step's stores first
             return
-        if sched.ahead.runs != self._prefetched_run:
-            self._prefetched_run = sched.ahead.runs
+        # Counted on the scheduler's own ``Ahead``: new budgets make a new scheduler, whose
+        # runs count from 0 again.
+        if sched.ahead.runs != sched.ahead.hooked_run:
+            sched.ahead.hooked_run = sched.ahead.runs
             self.prefetch()
 
     def hook(self, params) -> None:

@@ -39,6 +39,10 @@ class Streams:
             self.scheduler = StreamScheduler(
                 device, staging=lambda streamed: settings.now.staging_for(streamed)
             )
+            if sched is not None:
+                # Whether the loop asks for loads ahead is the loop's, not the arena's: a step
+                # captured before the new scheduler's first hook is split as the old one's.
+                self.scheduler.ahead.asked = sched.ahead.asked
             self._sizing = sizing
         self.scheduler.timeline = self.marks
         return self.scheduler
