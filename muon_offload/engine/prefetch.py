@@ -13,8 +13,9 @@ beside them, the first loads and the last stores, so:
   has new ones) and skips issuing them; otherwise they are dropped, and the run loads as it
   would, after them on the same h2d stream (their bytes are the arena's, rewritten in order).
 - With ``prefetch=True`` (the default) an offloaded optimizer hooks each parameter's gradient
-  accumulation (``register_post_accumulate_grad_hook``): the hooks queue the stores a replayed
-  step held back, a slice a hook (``pace_tail``), then the first hook after that calls
+  accumulation (``register_post_accumulate_grad_hook``): the first hook starts queueing the
+  stores a replayed step held back (``pace_tail``: on a GPU from a thread, tail_pacer.py;
+  elsewhere a slice a hook), then the first hook after they are all queued calls
   ``prefetch()``, so the first loads run under the rest of backward.
 - An eager step on CUDA, while no CUDA graph is in use, leaves its stores running: the compute
   stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
@@ -45,7 +46,7 @@ from functools import partial
 
 import torch
 
-from . import graph_ends
+from . import graph_ends, tail_pacer
 
 
 class Ahead:
@@ -70,6 +71,7 @@ class Ahead:
         # main replay takes those loads); any run or ``issue`` rewrites the arena: None
         self.tail = None  # the stores the last main replay left out while held
         # (``HeldTail``): None once all are queued
+        self.pacer = None  # the thread queueing them (tail_pacer.py), once started
 
 
 class Split:
@@ -176,14 +178,11 @@ def wait_stores(sched) -> None:
         sched.h2d_stream.wait_event(sched.ahead.stored)
 
 
-# The stores a replayed step held back go out in slices, one from each gradient hook of the
-# next backward that finds the last slice run (``pace_tail``): the copy engine that writes
-# to the host runs its queued copies in turn, so a small copy that backward waits for on the
-# host (an MoE's routing: torch's ``_grouped_mm`` reads its group offsets so) waits behind
-# one slice, 0.6 ms at the H200's 52 GB/s, not behind the whole tail (3 GB: 60 ms). A slice
-# is TAIL_SLICE_BYTES, or a TAIL_SLICES-th of the tail if more: on the H200 the Qwen3-MoE
-# loop's backward (170 ms, 180 hooks) found the last 32 MiB slice run at 55 hooks or more,
-# not at the 96 that 3 GiB would have taken (its next loads then waited for the step).
+# The stores a replayed step held back go out from the next backward: on a GPU from a thread
+# (tail_pacer.py says why); otherwise (the CPU path, where copies run at once, and the
+# stand-in streams of the tests) in slices, one from each gradient hook that finds the last
+# slice run (``pace_tail``), so that no hook copies the whole tail. A slice is
+# TAIL_SLICE_BYTES, or a TAIL_SLICES-th of the tail if more.
 TAIL_SLICE_BYTES = 32 << 20
 TAIL_SLICES = 32
 
@@ -237,12 +236,21 @@ def hold_tail(sched, tail: HeldTail) -> None:
 
 
 def pace_tail(sched) -> bool:
-    """From a gradient hook: queue the held tail's next slice if its last one has run; return
-    whether none is left to queue (then the next step's first loads may be)."""
-    tail = sched.ahead.tail
+    """From a gradient hook: on a GPU, start the thread that queues the held tail's stores
+    (tail_pacer.py) if none runs; elsewhere queue its next slice if its last one has run.
+    Return whether none is left to queue (then the next step's first loads may be)."""
+    ahead = sched.ahead
+    tail = ahead.tail
     if tail is None:
         return True
-    if sched.cuda and tail.started and not sched.ahead.stored.query():
+    if tail_pacer.threaded(sched):
+        if ahead.pacer is None:
+            ahead.pacer = tail_pacer.TailPacer(sched, tail)
+        if not ahead.pacer.done:
+            return False
+        launch_tail(sched)  # the thread joined: nothing is left to queue
+        return True
+    if sched.cuda and tail.started and not ahead.stored.query():
         return False
     if tail.issue(sched, max(TAIL_SLICE_BYTES, -(-tail.nbytes // TAIL_SLICES))):
         sched.ahead.tail = None
@@ -252,10 +260,16 @@ def pace_tail(sched) -> bool:
 
 def launch_tail(sched) -> bool:
     """Queue all of the held tail's stores left, if one is held; return whether one was."""
-    tail, sched.ahead.tail = sched.ahead.tail, None
+    ahead = sched.ahead
+    tail, ahead.tail, pacer, ahead.pacer = ahead.tail, None, ahead.pacer, None
+    # The thread ended where it is: the rest is queued here, in order (after an error in it
+    # too: no store is dropped), then its error raised.
+    error = pacer.stop() if pacer is not None else None
     if tail is None:
         return False
     tail.issue(sched, None)
+    if error is not None:
+        raise error
     return True
 
 
