@@ -56,8 +56,9 @@ def test_the_arena_and_the_loads_ahead_follow_prefetch_bytes_and_the_bits_do_not
         run = _loop(prefetch_bytes=prefetch_bytes, **kw)
         # Its own sizes: a run lands in staging at its host address's residue (transfer.py).
         staging, ring, end_to_end, sizes = _arena(run[1])
-        # The default (None): a third for Muon, whatever the format.
-        want = end_to_end // 3 if prefetch_bytes is None else min(prefetch_bytes, end_to_end)
+        # The default (None) for Muon: half, a third in 8-bit.
+        share = 3 if state_dtype == torch.int8 else 2
+        want = end_to_end // share if prefetch_bytes is None else min(prefetch_bytes, end_to_end)
         assert staging == max(ring, align_up(want, ARENA_ALIGN)), prefetch_bytes
         sched = run[1]._streams.scheduler
         run[1].prefetch()  # the next step's loads: the chunks laid before the arena wraps
@@ -97,11 +98,14 @@ def test_prefetch_bytes_is_checked_before_anything_changes():
 
 
 @pytest.mark.parametrize("state_dtype", [None, torch.float32, torch.bfloat16, torch.int8])
-def test_the_default_is_a_third_of_muon_state_at_most_2_gib_else_none(state_dtype):
+def test_the_default_is_half_of_muon_state_a_third_in_8_bit_at_most_3_gib_else_none(
+    state_dtype,
+):
     muon = Settings.check(offload=True, state_dtype=state_dtype, batches_matrices=True)
     assert muon.prefetch_bytes is None
-    assert muon.staging_for(3 << 20) == 1 << 20
-    assert muon.staging_for(30 << 30) == 2 << 30
+    share = 3 if state_dtype == torch.int8 else 2
+    assert muon.staging_for(6 << 20) == (6 << 20) // share
+    assert muon.staging_for(30 << 30) == 3 << 30
     # AdamW alone (no batches of matrices): the ring
     assert Settings.check(offload=True, state_dtype=state_dtype).staging_for(3 << 20) == 0
     given = Settings.check(offload=True, prefetch_bytes=5 << 20)
