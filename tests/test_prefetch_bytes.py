@@ -56,9 +56,11 @@ def test_the_arena_and_the_loads_ahead_follow_prefetch_bytes_and_the_bits_do_not
         run = _loop(prefetch_bytes=prefetch_bytes, **kw)
         # Its own sizes: a run lands in staging at its host address's residue (transfer.py).
         staging, ring, end_to_end, sizes = _arena(run[1])
-        # The default (None) for Muon: half, a third in 8-bit.
-        share = 3 if state_dtype == torch.int8 else 2
-        want = end_to_end // share if prefetch_bytes is None else min(prefetch_bytes, end_to_end)
+        # The default (None) for Muon: three fifths, a third in 8-bit.
+        num, den = (1, 3) if state_dtype == torch.int8 else (3, 5)
+        want = (
+            end_to_end * num // den if prefetch_bytes is None else min(prefetch_bytes, end_to_end)
+        )
         assert staging == max(ring, align_up(want, ARENA_ALIGN)), prefetch_bytes
         sched = run[1]._streams.scheduler
         run[1].prefetch()  # the next step's loads: the chunks laid before the arena wraps
@@ -98,13 +100,13 @@ def test_prefetch_bytes_is_checked_before_anything_changes():
 
 
 @pytest.mark.parametrize("state_dtype", [None, torch.float32, torch.bfloat16, torch.int8])
-def test_the_default_is_half_of_muon_state_a_third_in_8_bit_at_most_3_gib_else_none(
+def test_the_default_is_3_5_of_muon_state_a_third_in_8_bit_at_most_3_gib_else_none(
     state_dtype,
 ):
     muon = Settings.check(offload=True, state_dtype=state_dtype, batches_matrices=True)
     assert muon.prefetch_bytes is None
-    share = 3 if state_dtype == torch.int8 else 2
-    assert muon.staging_for(6 << 20) == (6 << 20) // share
+    int8 = state_dtype == torch.int8
+    assert muon.staging_for(15 << 20) == (5 << 20 if int8 else 9 << 20)
     assert muon.staging_for(30 << 30) == 3 << 30
     # AdamW alone (no batches of matrices): the ring
     assert Settings.check(offload=True, state_dtype=state_dtype).staging_for(3 << 20) == 0

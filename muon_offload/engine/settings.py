@@ -40,21 +40,22 @@ DEFAULT_INT8_CHUNK_BYTES = 512 << 20
 # launch. At 512 MiB the resident step is no longer host-bound (docs/benchmarks.md); the cost
 # is the orthogonalizer's workspace, which scales with the batch.
 DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
-# Muon loads ahead by default (prefetch_bytes) half of the bytes a step streams in fp32 or
-# bf16, a third in 8-bit, at most 3 GiB: the staging arena holds that much (or its ring of
+# Muon loads ahead by default (prefetch_bytes) three fifths of the bytes a step streams in fp32
+# or bf16, a third in 8-bit, at most 3 GiB: the staging arena holds that much (or its ring of
 # three of the step's largest chunks, if more). Its first bytes load under backward
 # (prefetch.py), its last ones store under the next backward (graph_ends.py, tail_pacer.py),
 # and in a step nothing prefetched (one graph) loads run that far ahead of updates, which
 # evens out chunks of more compute with chunks of more bytes. A step bound by the link moves
 # the rest both ways at once (on the H200, 48.8 GB/s each way: the Qwen3-MoE loop's fp32
 # step is 6.5 ms + its bytes not ahead / 48.8 GB/s within 2 ms), so only bytes ahead shorten
-# it. On the H200 (docs/benchmarks.md, "Loaded ahead", "A thread for the tail"): that loop's
-# fp32 iteration 1.07 to 1.08 x the resident one with a half (+0.86 GiB over a third, where
-# it is 1.15 to 1.16 x), 1.03 x with 3 GiB (+1.28); the 8-bit one 0.99 to 1.00 x with a
-# third, and the qwen3-30b-a3b-ep8-rank 8-bit step 1.03 x the resident one (1.06 to 1.08 x
-# with the ring) for +0.84 GiB. AdamW alone keeps the ring.
-DEFAULT_PREFETCH_SHARE = 2
-DEFAULT_INT8_PREFETCH_SHARE = 3
+# it. On the H200 (docs/benchmarks.md, "A thread for the tail"), that loop's fp32 iteration
+# (5.53 GB streamed) against the resident one: 1.03 to 1.05 x with 3 GiB ahead (the default's
+# bytes there), 1.05 to 1.10 x with a half (0.42 GiB less), 1.09 to 1.16 x with a third (0.86
+# GiB less still); its 8-bit iteration 0.98 to 1.00 x with a third, and the
+# qwen3-30b-a3b-ep8-rank 8-bit step 1.03 to 1.04 x the resident one (1.06 to 1.08 x with the
+# ring) for +0.84 GiB. AdamW alone keeps the ring.
+DEFAULT_PREFETCH_SHARE = (3, 5)
+DEFAULT_INT8_PREFETCH_SHARE = (1, 3)
 DEFAULT_PREFETCH_CAP = 3 << 30
 STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)
 
@@ -90,7 +91,7 @@ SETTINGS_DOC = f"""
             (under backward, with ``prefetch``), and as much of a step's last stores is left
             to finish under what follows it: the device bytes that stage streamed state (or
             the step's ring of three of its largest chunks, if more). None (default): for
-            ``Muon`` half of the state a step streams (a third with 8-bit state), at most
+            ``Muon`` three fifths of the state a step streams (a third with 8-bit state), at most
             {DEFAULT_PREFETCH_CAP >> 30} GiB; for ``AdamW`` 0, the ring alone.
 """
 
@@ -183,7 +184,7 @@ class Settings:
                 return 0
             int8 = self.state_dtype == torch.int8
             share = DEFAULT_INT8_PREFETCH_SHARE if int8 else DEFAULT_PREFETCH_SHARE
-            return min(streamed_bytes // share, DEFAULT_PREFETCH_CAP)
+            return min(streamed_bytes * share[0] // share[1], DEFAULT_PREFETCH_CAP)
         return min(self.prefetch_bytes, streamed_bytes)
 
     @property
