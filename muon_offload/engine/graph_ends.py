@@ -15,9 +15,10 @@ instead as
 - the *tail*: the stores of the chunks whose staging bytes no later load of the run takes
   (``tail_of``: in no load's waits; the last ring's slots), which the main graph so need not
   finish. They are not captured: after each main replay they are held (``prefetch.HeldTail``)
-  and queued in slices from the next backward's gradient hooks (``prefetch.pace_tail``), one
-  slice at a time, so that no small copy to the host that the forward or backward waits for
-  (an MoE's routing) queues behind all of them on the copy engine. The first slice waits for
+  and queued in small slices from the next backward, by a thread its first gradient hook
+  starts (``prefetch.pace_tail``, tail_pacer.py), two slices ahead of the one it waits for,
+  so that no small copy to the host that the forward or backward waits for (an MoE's
+  routing) queues behind all of them on the copy engine. The first slice waits for
   external events that the main graph records (CUDA's event record nodes): each tail chunk's
   update end, and the main graph's last store (``prefetch.stores_end``).
 
@@ -28,7 +29,7 @@ outside any capture:
 
     h2d stream       [waits: tail's end] head  (from prefetch(): under backward)
     compute stream   ... backward ... [waits: head's end] main | forward ... backward ...
-    d2h stream                                        tail's slices, from backward's hooks
+    d2h stream                                        tail's slices, from backward on
 
 - The head's loads write arena bytes and read host state: the last step's tail is queued in
   full and ends first (and through it every update and store of a streamed chunk of that

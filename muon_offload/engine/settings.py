@@ -49,7 +49,7 @@ DEFAULT_RESIDENT_CHUNK_BYTES = 512 << 20
 # the rest both ways at once (on the H200, 48.8 GB/s each way: the Qwen3-MoE loop's fp32
 # step is 6.5 ms + its bytes not ahead / 48.8 GB/s within 2 ms), so only bytes ahead shorten
 # it. On the H200 (docs/benchmarks.md, "A thread for the tail"), that loop's fp32 iteration
-# (5.53 GB streamed) against the resident one: 1.03 to 1.05 x with 3 GiB ahead (the default's
+# (5.53 GB streamed) against the resident one: 1.03 to 1.06 x with 3 GiB ahead (the default's
 # bytes there), 1.05 to 1.10 x with a half (0.42 GiB less), 1.09 to 1.16 x with a third (0.86
 # GiB less still); its 8-bit iteration 0.98 to 1.00 x with a third, and the
 # qwen3-30b-a3b-ep8-rank 8-bit step 1.03 to 1.04 x the resident one (1.06 to 1.08 x with the
