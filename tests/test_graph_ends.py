@@ -10,8 +10,9 @@ import torch
 from _graph_emulator import RecordingGraph
 from test_graph_fresh_grads import BF16_GRADS, INT8_SHAPES, SHAPES, _backward, _muon
 from test_scheduler import _before, _chunks, _Cuda, _Event, _expected, _update
+from test_tail_pacer import _until
 
-from muon_offload.engine import prefetch
+from muon_offload.engine import prefetch, tail_pacer
 from muon_offload.engine.graph_ends import SplitStep, tail_of
 from muon_offload.engine.prefetch import first_loads
 
@@ -152,8 +153,8 @@ class _StandInGraph:
 def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypatch, lanes):
     """The head replays on the h2d stream after the last tail and (when prefetched) not after
     backward; the main graph after the head and backward; the tail's stores are held after
-    the replay, queued on the d2h stream by the next backward's hooks a slice at a time (each
-    after the last has run) or all at once by the next head, after the main graph's records
+    the replay, queued on the d2h stream in slices by a thread the next backward's first hook
+    starts (tail_pacer.py) or all at once by the next head, after the main graph's records
     and before the head, waiting for neither the forward nor backward; the next run's loads,
     an eager one's, queue what is left and wait for it. The main graph's capture loads only
     the chunks after the head, stores only those outside the tail (the stores no load waits
@@ -195,7 +196,7 @@ def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypa
     sched.timeline = None
     last_main = last_forward = None
     tail_bytes = sum(host.numel() for host, _ in split._tail_runs)
-    monkeypatch.setattr(prefetch, "TAIL_SLICE_BYTES", tail_bytes // 3 + 1)  # three slices
+    monkeypatch.setattr(tail_pacer, "PACE_SLICE_BYTES", tail_bytes // 3 + 1)  # three slices
     tail_ends = []  # where each held tail queued all of its stores ends
     original = prefetch.launch_tail
 
@@ -210,12 +211,12 @@ def test_replays_run_the_first_loads_and_the_last_stores_under_backward(monkeypa
         backward = cuda.compute._add()
         prefetched = s % 2 == 1
         if prefetched:
-            if last_main is not None:  # two hooks: two slices, each after the main graph
-                for _ in range(2):
-                    assert not prefetch.pace_tail(sched) and sched.ahead.tail is not None
-                    t = sched.ahead.stored.node
-                    assert all(_before(e.node, t) for e in waited)
-                    assert not _before(last_forward, t) and not _before(backward, t)
+            if last_main is not None:  # the first hook starts the thread: its three slices
+                assert not prefetch.pace_tail(sched) and sched.ahead.tail is not None
+                _until(lambda: sched.ahead.pacer.done)
+                t = sched.ahead.stored.node  # after the main graph's records, not backward
+                assert all(_before(e.node, t) for e in waited)
+                assert not _before(last_forward, t) and not _before(backward, t)
             assert split.prefetch() and split.prefetch()
         late = cuda.compute._add()  # the rest of backward
         queued = len(tail_ends)

@@ -181,6 +181,9 @@ class _Event:
     def query(self):
         return True  # copies run at once on the stand-ins
 
+    def synchronize(self):
+        pass
+
 
 class _Cuda:
     """Stand-ins for torch.cuda's streams and events, with a current stream that

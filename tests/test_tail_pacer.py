@@ -12,6 +12,7 @@ import torch
 from test_scheduler import _Cuda, _Event
 
 from muon_offload.engine import prefetch, tail_pacer
+from muon_offload.engine.scheduler import StreamScheduler
 
 SIZES = (5, 3000, 17, 1, 640, 2222)
 SLICE = 700
@@ -21,9 +22,11 @@ def _tail(cuda, seed=0):
     gen = torch.Generator().manual_seed(seed)
     staged = [torch.randint(1, 256, (n,), dtype=torch.uint8, generator=gen) for n in SIZES]
     host = [torch.zeros(n, dtype=torch.uint8) for n in SIZES]
-    main_record = _Event()
-    main_record.record(cuda.compute)  # the main graph's record the first slice waits for
-    return prefetch.HeldTail(list(zip(host, staged, strict=True)), [main_record]), host, staged
+    waits = []
+    if cuda is not None:
+        waits.append(_Event())
+        waits[0].record(cuda.compute)  # the main graph's record the first slice waits for
+    return prefetch.HeldTail(list(zip(host, staged, strict=True)), waits), host, staged
 
 
 def _stored(host) -> int:
@@ -56,7 +59,6 @@ def paced(monkeypatch):
     cuda = _Cuda(monkeypatch)
     sched = cuda.scheduler(ring=2)
     monkeypatch.setattr(tail_pacer, "PACE_SLICE_BYTES", SLICE)
-    monkeypatch.setattr(tail_pacer, "threaded", lambda sched: True)
     return cuda, sched
 
 
@@ -125,3 +127,17 @@ def test_an_error_in_the_thread_is_raised_after_the_rest_is_queued(monkeypatch, 
     for h, s in zip(host, staged, strict=True):
         assert torch.equal(h, s)
     assert sched.ahead.tail is None and sched.ahead.pacer is None
+
+
+def test_without_cuda_the_thread_copies_every_slice_itself(monkeypatch):
+    """The CPU path: no events; the thread copies slice after slice while backward computes,
+    and the hook after it ends reports none left."""
+    monkeypatch.setattr(tail_pacer, "PACE_SLICE_BYTES", SLICE)
+    sched = StreamScheduler(torch.device("cpu"))
+    tail, host, staged = _tail(None, seed=3)
+    prefetch.hold_tail(sched, tail)
+    assert not prefetch.pace_tail(sched)
+    _until(lambda: sched.ahead.pacer.done)
+    assert prefetch.pace_tail(sched) and sched.ahead.tail is None
+    for h, s in zip(host, staged, strict=True):
+        assert torch.equal(h, s)

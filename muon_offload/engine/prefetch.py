@@ -13,10 +13,10 @@ beside them, the first loads and the last stores, so:
   has new ones) and skips issuing them; otherwise they are dropped, and the run loads as it
   would, after them on the same h2d stream (their bytes are the arena's, rewritten in order).
 - With ``prefetch=True`` (the default) an offloaded optimizer hooks each parameter's gradient
-  accumulation (``register_post_accumulate_grad_hook``): the first hook starts queueing the
-  stores a replayed step held back (``pace_tail``: on a GPU from a thread, tail_pacer.py;
-  elsewhere a slice a hook), then the first hook after they are all queued calls
-  ``prefetch()``, so the first loads run under the rest of backward.
+  accumulation (``register_post_accumulate_grad_hook``): the first hook starts the thread that
+  queues the stores a replayed step held back (``pace_tail``, tail_pacer.py), then the first
+  hook after they are all queued calls ``prefetch()``, so the first loads run under the rest
+  of backward.
 - An eager step on CUDA, while no CUDA graph is in use, leaves its stores running: the compute
   stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
   (while graphs are in use an eager step joins them: the capture that may follow waits on no
@@ -30,9 +30,10 @@ beside them, the first loads and the last stores, so:
   (``graph_ends.py``): a head graph of the loads ``issue`` would queue, which ``prefetch()``
   replays on the h2d stream while the graph is held, and the main graph (``Split``: its
   capture takes those loads and leaves the tail's stores out, ``defer``). The tail's stores
-  are held after each replay (``hold_tail``) and queued in slices from the next backward's
-  hooks, or all at once by whatever needs them first (``launch_tail``); their end is the
-  event in ``stores`` that the next loads and ``finish`` wait for, as an eager step's.
+  are held after each replay (``hold_tail``) and queued in slices from the next backward
+  (``pace_tail``), or all at once by whatever needs them first (``launch_tail``); their end
+  is the event ``ahead.stored`` that the next loads and ``finish`` wait for, as an eager
+  step's.
 
 Without CUDA, ``issue`` copies at once and the run skips those copies: the same logic in plan
 order, which CI tests.
@@ -178,15 +179,6 @@ def wait_stores(sched) -> None:
         sched.h2d_stream.wait_event(sched.ahead.stored)
 
 
-# The stores a replayed step held back go out from the next backward: on a GPU from a thread
-# (tail_pacer.py says why); otherwise (the CPU path, where copies run at once, and the
-# stand-in streams of the tests) in slices, one from each gradient hook that finds the last
-# slice run (``pace_tail``), so that no hook copies the whole tail. A slice is
-# TAIL_SLICE_BYTES, or a TAIL_SLICES-th of the tail if more.
-TAIL_SLICE_BYTES = 32 << 20
-TAIL_SLICES = 32
-
-
 class HeldTail:
     """The stores a replayed main graph left out (graph_ends.py): ``runs``, (host bytes, arena
     bytes) in run order, issued in slices on the d2h stream, the first after ``waits`` (the
@@ -222,9 +214,9 @@ class HeldTail:
 
 def hold_tail(sched, tail: HeldTail) -> None:
     """After a main graph's replay: its left-out stores are held, not queued, until the next
-    backward's gradient hooks issue them in slices (``pace_tail``), or something needs them
-    all (``launch_tail``): the next head's loads, a run's, a host reader (``finish``), the
-    graphs dropped.
+    backward's first gradient hook starts a thread that queues them in slices (``pace_tail``,
+    tail_pacer.py), or something needs them all (``launch_tail``): the next head's loads, a
+    run's, a host reader (``finish``), the graphs dropped.
 
     Queued at once, under the next forward, they held every small copy to the host that the
     forward waits for (an MoE's routing, ``.item()``) behind them on the one copy engine that
@@ -236,26 +228,19 @@ def hold_tail(sched, tail: HeldTail) -> None:
 
 
 def pace_tail(sched) -> bool:
-    """From a gradient hook: on a GPU, start the thread that queues the held tail's stores
-    (tail_pacer.py) if none runs; elsewhere queue its next slice if its last one has run.
-    Return whether none is left to queue (then the next step's first loads may be)."""
+    """From a gradient hook: start the thread that queues the held tail's stores
+    (tail_pacer.py) if none runs. Return whether none is left to queue (then the next step's
+    first loads may be)."""
     ahead = sched.ahead
-    tail = ahead.tail
-    if tail is None:
+    if ahead.tail is None:
         return True
-    if tail_pacer.threaded(sched):
-        if ahead.pacer is None:
-            ahead.pacer = tail_pacer.TailPacer(sched, tail)
-        if not ahead.pacer.done:
-            return False
-        launch_tail(sched)  # the thread joined: nothing is left to queue
-        return True
-    if sched.cuda and tail.started and not ahead.stored.query():
+    if ahead.pacer is None:
+        ahead.pacer = tail_pacer.TailPacer(sched, ahead.tail)
         return False
-    if tail.issue(sched, max(TAIL_SLICE_BYTES, -(-tail.nbytes // TAIL_SLICES))):
-        sched.ahead.tail = None
-        return True
-    return False
+    if not ahead.pacer.done:
+        return False
+    launch_tail(sched)  # the thread joined: nothing is left to queue
+    return True
 
 
 def launch_tail(sched) -> bool:

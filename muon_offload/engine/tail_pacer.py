@@ -13,6 +13,8 @@ never idles while stores are left, and a routing read waits for two 16 MiB slice
 (0.6 ms at 55 GB/s). It waits on events (the GIL released) and holds the GIL only to queue a
 copy. It runs while nothing else queues stores: whatever needs the tail's bytes or the d2h
 stream (``prefetch.launch_tail``: the next loads, a capture, a host reader) stops it first.
+Without CUDA (the CPU path, which CI runs) the same thread copies the slices itself, one after
+another, while backward computes.
 """
 
 from __future__ import annotations
@@ -25,12 +27,6 @@ import torch
 
 PACE_SLICE_BYTES = 16 << 20
 PACE_DEPTH = 2
-
-
-def threaded(sched) -> bool:
-    """Whether ``sched``'s held tails are paced by a thread: on a CUDA device (the CPU path
-    and its stand-in streams queue them from the hooks, in the same order)."""
-    return sched.device.type == "cuda"
 
 
 class TailPacer:
@@ -48,9 +44,9 @@ class TailPacer:
 
     def _run(self) -> None:
         sched, tail = self.sched, self.tail
-        cuda = sched.device.type == "cuda"
+        on_device = sched.device.type == "cuda"
         try:
-            with torch.cuda.device(sched.device) if cuda else nullcontext():
+            with torch.cuda.device(sched.device) if on_device else nullcontext():
                 queued: deque = deque()
                 while not self._stopping.is_set():
                     if len(queued) == PACE_DEPTH:
@@ -59,9 +55,10 @@ class TailPacer:
                     if tail.issue(sched, PACE_SLICE_BYTES):
                         self.done = True
                         return
-                    event = torch.cuda.Event()
-                    event.record(sched.d2h_stream)
-                    queued.append(event)
+                    if sched.cuda:  # without CUDA each slice is copied when queued
+                        event = torch.cuda.Event()
+                        event.record(sched.d2h_stream)
+                        queued.append(event)
         except BaseException as err:  # raised on the caller's thread (launch_tail)
             self._error = err
 
