@@ -6,14 +6,15 @@ every stream: a small copy that backward waits for on the host (an MoE's routing
 ``_grouped_mm`` reads its group offsets so, once a layer) waits for every store queued before
 it. Gradient hooks cannot keep that queue short and busy at once: they come in bursts, when
 the host runs ahead of the GPU, and none while it waits. On the H200, the Qwen3-MoE loop's
-backward with a 3 GiB tail paced by its hooks (a 96 MiB slice a hook that found the last one
-run) held 11 of its 16 routing reads an iteration behind a slice, 1.2 ms each instead of 0.27.
-The thread queues a slice whenever one of the ``PACE_DEPTH`` before it has run: the engine
-never idles while stores are left, and a routing read waits for two 16 MiB slices at most
-(0.6 ms at 55 GB/s). It waits on events (the GIL released) and holds the GIL only to queue a
-copy. It runs while nothing else queues stores: whatever needs the tail's bytes or the d2h
-stream (``prefetch.launch_tail``: the next loads, a capture, a host reader) stops it first.
-Without CUDA (the CPU path, which CI runs) the same thread copies the slices itself, one after
+backward with a 3 GiB tail paced by its hooks (a 96 MiB slice from each hook that found the
+last one run) held 11 routing reads an iteration behind a slice, 1.24 ms each instead of
+0.27 (docs/benchmarks.md, "A thread for the tail"; 0.43 ms with the thread). The thread
+queues a slice whenever one of the ``PACE_DEPTH`` before it has run: the engine never idles
+while stores are left, and a routing read waits for two 16 MiB slices at most (0.6 ms at
+55 GB/s). It waits on events (the GIL released) and holds the GIL only to queue a copy. It
+runs while nothing else queues stores: whatever needs the tail's bytes or the d2h stream
+(``prefetch.launch_tail``: the next loads, a capture, a host reader) stops it first. Without
+CUDA (the CPU path, which CI runs) the same thread copies the slices itself, one after
 another, while backward computes.
 """
 
