@@ -259,7 +259,6 @@ def test_a_held_tail_stores_every_byte_once_in_order_a_budget_a_slice():
     host = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     tail = prefetch.HeldTail(list(zip(host, staged, strict=True)), [])
     sched = type("Sched", (), {"cuda": False})()
-    assert tail.nbytes == sum(sizes)
     stored = 0
     for budget, at in ((1, (0, 1)), (4, (1, 0)), (1000, (1, 1000)), (1999, (1, 2999))):
         assert not tail.issue(sched, budget)

@@ -188,7 +188,6 @@ class HeldTail:
         self.runs, self.waits = runs, waits
         self.run = self.offset = 0  # the next byte to store: runs[run][offset]
         self.started = False
-        self.nbytes = sum(host.numel() for host, _ in runs)
 
     def issue(self, sched, budget: int | None) -> bool:
         """Queue the next ``budget`` bytes of stores (None: all the rest) on the d2h stream;
