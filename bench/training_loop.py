@@ -120,8 +120,9 @@ MODES = (
     "torch_adamw",
 )
 # Run only when named in --modes: other chunk sizes and prefetch_bytes against the defaults
-# (graphed 8-bit Muon: 512 MiB chunks; eager: 1 GiB; prefetch_bytes: half of the state, a
-# third in 8-bit, at most 3 GiB): the ring, 3 GiB, a third of the state whatever the model.
+# (graphed 8-bit Muon: 512 MiB chunks; eager: 1 GiB; prefetch_bytes: three fifths of the
+# state, a third in 8-bit, at most 3 GiB): the ring, 3 GiB, a third of the state whatever the
+# model.
 OPTIONAL = (
     "ours_offload_int8_512mib",
     "ours_offload_int8_512mib_eager",
@@ -141,7 +142,7 @@ OURS = {
     # the fp32 states' 128 MiB: 32 MiB of codes a chunk (the 8-bit default before 512 MiB)
     "ours_offload_int8_128mib": dict(offload=True, state_dtype=torch.int8, chunk_bytes=128 << 20),
     # prefetch_bytes=0: staging of three chunks alone (the ring), as before the default loaded
-    # state ahead; 3 GiB; a third of the state (the fp32 default before half)
+    # state ahead; 3 GiB; a third of the state (the former fp32 default)
     "ours_offload_fp32_ring": dict(offload=True, prefetch_bytes=0),
     "ours_offload_fp32_3gib": dict(offload=True, prefetch_bytes=3 << 30),
     # a third of the state the step streams, whatever the model (set after the first warm-up

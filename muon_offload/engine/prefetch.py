@@ -206,9 +206,10 @@ class HeldTail:
                     budget -= end - self.offset
                 done = end == host.numel()
                 self.run, self.offset = (self.run + 1, 0) if done else (self.run, end)
-        if cuda:
+        complete = self.run == len(runs)
+        if cuda and complete:  # the tail's end; nothing waits for it before (launch_tail)
             record_stores(sched)
-        return self.run == len(runs)
+        return complete
 
 
 def hold_tail(sched, tail: HeldTail) -> None:
