@@ -141,3 +141,28 @@ def test_without_cuda_the_thread_copies_every_slice_itself(monkeypatch):
     assert prefetch.pace_tail(sched) and sched.ahead.tail is None
     for h, s in zip(host, staged, strict=True):
         assert torch.equal(h, s)
+
+
+@pytest.mark.parametrize("cuda_path", [True, False])
+def test_a_tail_of_at_most_a_depth_of_slices_is_queued_by_the_hook(monkeypatch, cuda_path):
+    """The thread would queue PACE_DEPTH slices before its first wait: a tail no larger goes
+    from the first hook itself, which reports none left, so that hook's prefetch follows at
+    once (a thread that had not run yet held a small model's head to the step: its few
+    hooks came before it)."""
+    cuda = _Cuda(monkeypatch) if cuda_path else None
+    sched = cuda.scheduler(ring=2) if cuda_path else StreamScheduler(torch.device("cpu"))
+    tail, host, staged = _tail(cuda, seed=4)
+    monkeypatch.setattr(tail_pacer, "PACE_SLICE_BYTES", -(-sum(SIZES) // tail_pacer.PACE_DEPTH))
+    prefetch.hold_tail(sched, tail)
+    assert prefetch.pace_tail(sched)
+    assert sched.ahead.tail is None and sched.ahead.pacer is None
+    for h, s in zip(host, staged, strict=True):
+        assert torch.equal(h, s)
+    if cuda_path:
+        d2h = sched.d2h_stream
+        assert d2h.waits[0].event is tail.waits[0] and sched.ahead.stored.node is d2h.last
+    tail, host, _ = _tail(cuda, seed=5)  # a byte more: the thread
+    monkeypatch.setattr(tail_pacer, "PACE_SLICE_BYTES", sum(SIZES) // tail_pacer.PACE_DEPTH - 1)
+    prefetch.hold_tail(sched, tail)
+    assert not prefetch.pace_tail(sched) and sched.ahead.pacer is not None
+    prefetch.launch_tail(sched)

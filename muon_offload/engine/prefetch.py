@@ -189,6 +189,10 @@ class HeldTail:
         self.run = self.offset = 0  # the next byte to store: runs[run][offset]
         self.started = False
 
+    def left(self) -> int:
+        """The bytes not queued yet."""
+        return sum(host.numel() for host, _ in self.runs[self.run :]) - self.offset
+
     def issue(self, sched, budget: int | None) -> bool:
         """Queue the next ``budget`` bytes of stores (None: all the rest) on the d2h stream;
         return whether every store is queued."""
@@ -230,16 +234,21 @@ def hold_tail(sched, tail: HeldTail) -> None:
 def pace_tail(sched) -> bool:
     """From a gradient hook: start the thread that queues the held tail's stores
     (tail_pacer.py) if none runs. Return whether none is left to queue (then the next step's
-    first loads may be)."""
+    first loads may be).
+
+    A tail of at most ``PACE_DEPTH`` slices the hook queues itself: the thread would queue it
+    all before its first wait, and a small model's few hooks may all come before the thread
+    has run, leaving its head to the step."""
     ahead = sched.ahead
     if ahead.tail is None:
         return True
     if ahead.pacer is None:
-        ahead.pacer = tail_pacer.TailPacer(sched, ahead.tail)
+        if ahead.tail.left() > tail_pacer.PACE_DEPTH * tail_pacer.PACE_SLICE_BYTES:
+            ahead.pacer = tail_pacer.TailPacer(sched, ahead.tail)
+            return False
+    elif not ahead.pacer.done:
         return False
-    if not ahead.pacer.done:
-        return False
-    launch_tail(sched)  # the thread joined: nothing is left to queue
+    launch_tail(sched)  # a small tail, or the rest after the thread's end (none)
     return True
 
 

@@ -15,7 +15,8 @@ while stores are left, and a routing read waits for two 16 MiB slices at most (0
 runs while nothing else queues stores: whatever needs the tail's bytes or the d2h stream
 (``prefetch.launch_tail``: the next loads, a capture, a host reader) stops it first. Without
 CUDA (the CPU path, which CI runs) the same thread copies the slices itself, one after
-another, while backward computes.
+another, while backward computes. A tail of at most ``PACE_DEPTH`` slices needs no thread: the
+hook queues it (``prefetch.pace_tail``).
 """
 
 from __future__ import annotations
