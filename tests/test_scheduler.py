@@ -18,6 +18,7 @@ from muon_offload.engine.scheduler import (
     place,
     plan_transfer,
 )
+from muon_offload.engine.staged_views import StagedViews
 from muon_offload.engine.transfer import plan_transfers
 
 MIB = 1 << 20
@@ -31,8 +32,22 @@ def _check_layout(sizes, arena):
     layout = place(sizes, arena)
     ranges = [(o, o + n) for o, n in zip(layout.offsets, sizes, strict=True)]
     before: list[set[int]] = []  # chunks whose stores each chunk's load follows
+    holder = [-1] * (arena // ALIGN_BYTES)  # the last chunk to hold each ALIGN_BYTES
     for k, (start, end) in enumerate(ranges):
         assert start % ARENA_ALIGN == 0 and start >= 0 and end <= arena, (k, start, end)
+        # Its spans: every byte once, each with the chunk that held it last, by that chunk.
+        spans = layout.spans[k]
+        assert [h for h, _, _ in spans] == sorted(h for h, _, _ in spans)
+        got = {}
+        for h, lo, hi in spans:
+            assert 0 <= lo < hi <= end - start, (k, spans)
+            got.update({(start + b) // ALIGN_BYTES: h for b in range(lo, hi, ALIGN_BYTES)})
+        units = range(start // ALIGN_BYTES, end // ALIGN_BYTES)
+        assert len(got) == len(units) and got == {u: holder[u] for u in units}, k
+        assert sum(hi - lo for _, lo, hi in spans) == end - start
+        assert {h for h, _, _ in spans} - {-1} == (set(layout.waits[k]) if sizes[k] else set())
+        for u in units:
+            holder[u] = k
         waits = layout.waits[k]
         assert all(j < k and _overlap(ranges[j], ranges[k]) for j in waits), (k, waits)
         assert layout.issue_after[k] == max(waits, default=-1)
@@ -267,6 +282,41 @@ def _run_steps(cuda, sched, transfers, side, steps=2):
     return out
 
 
+class _Piece:
+    """Arena bytes a load writes: each copy also queues a node on the current stand-in stream,
+    noted with the chunk and the arena bytes it wrote."""
+
+    def __init__(self, staged, arena, chunk, writes, cuda):
+        self.staged, self.arena, self.chunk, self.writes, self.cuda = (
+            staged,
+            arena,
+            chunk,
+            writes,
+            cuda,
+        )
+
+    def copy_(self, src, non_blocking=False):
+        self.staged.copy_(src)
+        lo = self.staged.data_ptr() - self.arena.data_ptr()
+        self.writes.append((self.chunk, lo, lo + self.staged.numel(), self.cuda.current._add()))
+
+
+def _arena_writes(monkeypatch, cuda, sched) -> list:
+    """(chunk, first arena byte, end, node) of each piece of each load the scheduler queues."""
+    writes = []
+    real = StagedViews.loads
+
+    def loads(views, chunk, transfer, runs, spans):
+        arena = sched.staging_buffers[0]
+        return tuple(
+            (holder, tuple((h, _Piece(a, arena, chunk, writes, cuda)) for h, a in pieces))
+            for holder, pieces in real(views, chunk, transfer, runs, spans)
+        )
+
+    monkeypatch.setattr(StagedViews, "loads", loads)
+    return writes
+
+
 @pytest.mark.parametrize("capturing", [False, True])
 @pytest.mark.parametrize("ring", [2, 3])
 @pytest.mark.parametrize("pattern", ["none", "alternate", "runs", "all"])
@@ -295,7 +345,9 @@ def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pat
         "all": (True,) * n,
     }[pattern]
     sched = cuda.scheduler(ring=ring)
+    writes = _arena_writes(monkeypatch, cuda, sched)
     steps = _run_steps(cuda, sched, transfers, side)
+    assert writes
     on_side = [bool(side and side[i]) for i in range(n)]
     layout = sched.layout
     ranges = [(o, o + size) for o, size in zip(layout.offsets, sched._sizes, strict=True)]
@@ -316,8 +368,13 @@ def test_stream_code_orders_every_chunk_that_shares_bytes(monkeypatch, ring, pat
             assert _before(step[c, "update"][1], after)
             assert _before(step[c, "store"][1], after) == capturing or c < len(sizes) - 2
             for j in range(k):
-                if _overlap(ranges[j], ranges[k]):
-                    assert _before(step[j + 1, "store"][1], step[c, "load"][0]), (j, k)
+                if _overlap(ranges[j], ranges[k]):  # the whole load, after each store
+                    assert _before(step[j + 1, "store"][1], step[c, "load"][1]), (j, k)
+            for chunk, lo, hi, node in writes:  # each of its pieces, after the stores of the
+                if chunk == c and _before(before, node) and _before(node, after):  # bytes
+                    for j in range(k):  # it takes
+                        if _overlap(ranges[j], (lo, hi)):
+                            assert _before(step[j + 1, "store"][1], node), (j, k, lo, hi)
             if ring == 3 and c > 1 and on_side[c] and not on_side[c - 1]:
                 # Beside the Muon chunk before it: its update does not wait for that chunk's
                 # (their bytes do not meet with a ring of three); its store follows that one's.
@@ -367,6 +424,35 @@ def test_a_load_waits_for_the_latest_store_it_needs_whichever_lane_updated_it(mo
     assert [w for w in sched.h2d_stream.waits if _before(w, load_3)][-1].event is sched._stored[1]
     assert _before(step[0, "store"][1], step[1, "store"][0])
     assert {s.name for s in cuda.streams(sched) if s.last is not None} >= {"side", "d2h"}
+
+
+def test_a_load_over_two_chunks_starts_when_the_first_is_stored(monkeypatch):
+    """Ring 2: a later chunk takes the bytes of chunks 0 and 1. Its pieces over chunk 0's
+    bytes are queued after chunk 0's store, not after chunk 1's (a 128 MiB load over four
+    small chunks waited for the last of them, the copy engine idle meanwhile); those over
+    chunk 1's bytes after chunk 1's; the load's end after both."""
+    cuda = _Cuda(monkeypatch)
+    slab, tensors, transfers = _chunks([1024, 1024, 2048, 2048, 1024], seed=3)
+    want = _expected(tensors)
+    sched = cuda.scheduler(ring=2)
+    writes = _arena_writes(monkeypatch, cuda, sched)
+    ((step, _, _, _),) = _run_steps(cuda, sched, [None, *transfers], None, steps=1)
+    layout = sched.layout
+    # Where it lands depends on the slab's address (the runs keep its residues): 2 or 3.
+    (k,) = [k for k, w in enumerate(layout.waits) if w == (0, 1)]
+    assert {h for h, _, _ in layout.spans[k]} - {-1} == {0, 1}
+    pieces = [(lo, node) for c, lo, _, node in writes if c == k + 1]  # plan index: k + 1
+    start = layout.offsets[k]
+    spans = layout.spans[k]
+    holders = [next(h for h, a, b in spans if a <= lo - start < b) for lo, _ in pieces]
+    assert {0, 1} <= set(holders)
+    stored = [step[c, "store"][1] for c in (1, 2)]  # plan index c: chunk c - 1
+    for holder, (_, node) in zip(holders, pieces, strict=True):
+        assert [_before(stored[0], node), _before(stored[1], node)] == [holder >= 0, holder == 1]
+    assert _before(stored[1], step[k + 1, "load"][1])
+    for got, exp in zip(tensors, want, strict=True):
+        for a, b in zip(got, exp, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_side_marks_one_a_chunk():

@@ -19,19 +19,19 @@ state loaded ahead took 106 ms against 83 with one store stream: docs/benchmarks
 store stream"). In plan order, a load waits only for stores the engine runs before those of
 the chunks it needs next.
 
-Streams, events and the staging arena are the scheduler's, created once. Ordering is by
-events only (no host sync inside a step): its streams first wait for what the compute stream
-has queued (the step's gradients and scalar table, the previous step); a chunk's update waits
-for its load, its store for its update (on whichever stream ran it), a load for the stores of
-the earlier chunks whose staging bytes it overwrites (the latest of them: stores run in
-order). At the end the compute stream waits for the updates (side stream and
-loads), not for the stores, which finish under what the caller queues next (the forward):
-the next run's loads, loads queued ahead of it (``prefetch()``) and every host reader of the
-state wait for them instead (``prefetch.py``); after an error or under a graph capture it
-waits for every stream the step used. An update runs with its lane's stream current: its
-kernels, pointer table uploads and temporaries are queued and allocated there (the caching
-allocator reuses a block after the work of the stream that took it). What the side lane and
-the stores read of other streams outlives its use: the arena (recorded on every stream of
+Streams, events and the staging arena are the scheduler's, created once. Ordering is by events
+only (no host sync inside a step): its streams first wait for what the compute stream has
+queued (the step's gradients and scalar table, the previous step); a chunk's update waits for
+its load, its store for its update (on whichever stream ran it), a load for the stores of the
+earlier chunks whose staging bytes it overwrites, piece by piece (each piece of it for the
+chunk that held those bytes last: stores run in order). At the end the compute stream waits for
+the updates (side stream and loads), not for the stores, which finish under what the caller
+queues next (the forward): the next run's loads, loads queued ahead of it (``prefetch()``) and
+every host reader of the state wait for them instead (``prefetch.py``); after an error or under
+a graph capture it waits for every stream the step used. An update runs with its lane's stream
+current: its kernels, pointer table uploads and temporaries are queued and allocated there (the
+caching allocator reuses a block after the work of the stream that took it). What the side lane
+and the stores read of other streams outlives its use: the arena (recorded on every stream of
 the scheduler, and freed after a device sync), parameters, gradients and the scalar table
 (blocks of the compute stream, whose later work follows the join).
 
@@ -74,8 +74,13 @@ class ArenaLayout:
 
     offsets: tuple[int, ...]  # each chunk's first byte in the arena
     waits: tuple[tuple[int, ...], ...]  # earlier chunks whose stores the chunk's load must follow
-    issue_after: tuple[int, ...]  # the latest of them (-1: none): the store the load waits
-    # for (stores run in order: it follows the others) and is queued after
+    issue_after: tuple[int, ...]  # the latest of them (-1: none): its store queued, the whole
+    # load can be (stores run in order)
+    # Per chunk, its bytes by the chunk that held them last: (that chunk, -1 for bytes none
+    # held; first byte, end, from the chunk's start), ordered by that chunk. Each piece of the
+    # load waits for its own chunk's store, not for the latest: a 128 MiB load over four
+    # small chunks starts when the first is stored.
+    spans: tuple[tuple[tuple[int, int, int], ...], ...]
 
 
 def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
@@ -86,7 +91,7 @@ def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
     or through that chunk's own load (its store follows its load). Pure: tested without a
     GPU.
     """
-    offsets, waits = [], []
+    offsets, waits, spans = [], [], []
     owners: list[tuple[int, int, int]] = []  # (start, end, chunk): the latest holder, disjoint
     cursor = 0
     for k, n in enumerate(sizes):
@@ -98,6 +103,15 @@ def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
         end = start + n
         hit = [o for o in owners if o[0] < end and start < o[1]]
         waits.append(tuple(sorted({o[2] for o in hit})))
+        held = sorted((max(s, start) - start, min(e, end) - start, j) for s, e, j in hit)
+        free, at = [], 0
+        for lo, hi, _ in held:
+            if at < lo:
+                free.append((-1, at, lo))
+            at = hi
+        if at < n:
+            free.append((-1, at, n))
+        spans.append(tuple(free + sorted((j, lo, hi) for lo, hi, j in held if lo < hi)))
         kept = [o for o in owners if not (o[0] < end and start < o[1])]
         for s, e, j in hit:  # the parts of overwritten ranges outside the new one stay theirs
             if s < start:
@@ -110,7 +124,7 @@ def place(sizes: Sequence[int], arena_bytes: int) -> ArenaLayout:
         offsets.append(start)
         cursor = end
     issue_after = tuple(max(w, default=-1) for w in waits)
-    return ArenaLayout(tuple(offsets), tuple(waits), issue_after)
+    return ArenaLayout(tuple(offsets), tuple(waits), issue_after, tuple(spans))
 
 
 class StreamScheduler:
@@ -141,6 +155,7 @@ class StreamScheduler:
         self._views = StagedViews()  # and what the algorithms keep of them (``chunk_memo``)
         # One (loaded, updated, stored) event each a streamed chunk, grown with the plans.
         self._loaded: list = []
+        self._loading: dict[int, tuple] = {}  # a load queued in part: (next piece, marks)
         self._updated: list = []
         self._stored: list = []
         self.ahead = prefetch.Ahead()  # loads queued ahead of the next run, and the
@@ -285,17 +300,17 @@ class StreamScheduler:
 
     def _run_streams(self, transfers, update, compute, next_load: int) -> None:
         """``next_load``: the streamed chunks loaded ahead of the run (``prefetch.take``)."""
-        streamed, issue_after = self._streamed, self._layout.issue_after
+        streamed = self._streamed
         unordered = next_load if self.ahead.split else 0  # head graph loads: no events
 
         def issue(stored: int) -> None:
-            """Queue, in order, the loads whose waits name only stores already queued (chunks
-            up to ``stored``): as far ahead as the arena's bytes allow."""
+            """Queue, in order, the pieces of loads whose waits name only stores already queued
+            (chunks up to ``stored``): as far ahead as the arena's bytes allow."""
             nonlocal next_load
-            while next_load < len(streamed) and issue_after[next_load] <= stored:
-                self._load(next_load, streamed[next_load])
+            while next_load < len(streamed) and self._load(next_load, streamed[next_load], stored):
                 next_load += 1
 
+        self._loading.clear()  # left by a run that raised
         issue(-1)
         for i, transfer in enumerate(transfers):
             side = self._on_side[i]
@@ -325,21 +340,35 @@ class StreamScheduler:
                 self._stored[k].record(d2h)
             issue(k)
 
-    def _load(self, k: int, chunk: int) -> None:
-        """Load the k-th streamed chunk (``chunk``): on the h2d stream, or at once (CPU)."""
+    def _load(self, k: int, chunk: int, stored: int | None = None) -> bool:
+        """Queue the k-th streamed chunk's load (``chunk``) on the h2d stream, or copy it at
+        once (CPU), piece by piece (``ArenaLayout.spans``), each after the store of the chunk
+        whose bytes it takes (and so after that chunk's update): the pieces whose stores are
+        queued (chunks up to ``stored``; None: all). Return whether the whole load is: its end
+        follows the latest store of its bytes, as the update that waits for it must."""
         h2d = self.h2d_stream if self.cuda else None
+        runs, spans = self._staged(chunk)[1], self._layout.spans[k]
+        pieces = self._views.loads(chunk, self._views_for[chunk], runs, spans)
+        at, waited, marks = self._loading.pop(k, (0, -1, None))
+        latest = self._layout.issue_after[k]
         with torch.cuda.stream(h2d):  # None: no stream switched
-            # The chunks whose bytes this load takes must be written back (and so done being
-            # updated) first: the latest of their stores, which follows the others (``place``).
-            latest = self._layout.issue_after[k]
-            if h2d and latest >= 0:
-                h2d.wait_event(self._stored[latest])
-            marks = self._mark(chunk, "load", h2d)
-            for host, staged in self._staged(chunk)[1]:
-                staged.copy_(host, non_blocking=self.cuda)
+            while at <= len(pieces):
+                holder, copies = pieces[at] if at < len(pieces) else (latest, ())
+                if stored is not None and holder > stored:
+                    self._loading[k] = (at, waited, marks)
+                    return False
+                if h2d and holder > waited:  # stores run in order: one wait a holder
+                    h2d.wait_event(self._stored[holder])
+                    waited = holder
+                if marks is None:
+                    marks = self._mark(chunk, "load", h2d)
+                for host, staged in copies:
+                    staged.copy_(host, non_blocking=self.cuda)
+                at += 1
             end_stage(marks, h2d)
             if h2d:
                 self._loaded[k].record(h2d)
+        return True
 
     def _mark(self, chunk: int, stage: str, stream):
         return start_stage(self.timeline, chunk, stage, stream, self.cuda)

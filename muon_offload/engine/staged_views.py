@@ -13,12 +13,14 @@ class StagedViews:
     def __init__(self) -> None:
         self._staged: dict[int, tuple[tuple[Tensor, ...], tuple]] = {}
         self._memos: dict[int, dict] = {}
+        self._loads: dict[int, tuple] = {}
 
     def clear(self) -> None:
         """A new plan or arena: the views go, and with them all that was derived from them,
         so that nothing kept holds an arena that a new one replaced."""
         self._staged.clear()
         self._memos.clear()
+        self._loads.clear()
 
     def memo(self, chunk: int) -> dict:
         return self._memos.setdefault(chunk, {})
@@ -37,3 +39,22 @@ class StagedViews:
             )
             staged = self._staged[chunk] = (views, runs)
         return staged
+
+    def loads(self, chunk: int, transfer, runs, spans) -> tuple:
+        """The chunk's load cut at ``spans`` ((holder, first byte, end) of the chunk's bytes,
+        ``ArenaLayout.spans``): per span holding bytes of its ``runs`` (``of``), the holder and
+        the (host bytes, arena bytes) pieces of those runs in it."""
+        loads = self._loads.get(chunk)
+        if loads is None:
+            cut = []
+            for holder, lo, hi in spans:
+                pieces = []
+                for run, (host, staged) in zip(transfer.runs, runs, strict=True):
+                    a, b = max(lo, run.offset) - run.offset, min(hi, run.offset + host.numel())
+                    b -= run.offset
+                    if a < b:
+                        pieces.append((host[a:b], staged[a:b]))
+                if pieces:
+                    cut.append((holder, tuple(pieces)))
+            loads = self._loads[chunk] = tuple(cut)
+        return loads
