@@ -599,3 +599,30 @@ def test_tensors_cut_between_chunks_through_the_stream_code_equal_resident(
     sched = cuda.scheduler()
     off = mixed_run(init, 4, 1, 50, scheduler=sched, offload=True, chunk_bytes=6000, **kwargs)
     assert_bitwise(off, resident)
+
+
+def test_a_load_left_in_part_by_an_error_is_loaded_whole_next_time(monkeypatch):
+    """Ring 2: when chunk 1's update raises, chunk 2's load over chunks 0 and 1 is queued in
+    part (its piece over chunk 0's bytes). The run drops it: the next run loads chunk 2
+    from its first piece, and its results are those of a run that never failed."""
+    cuda = _Cuda(monkeypatch)
+    slab, tensors, transfers = _chunks([1024, 1024, 2048, 2048, 1024], seed=4)
+    want = _expected(tensors)
+    sched = cuda.scheduler(ring=2)
+
+    def failing(i, views):
+        if i == 1:
+            assert sched._loading, "a load in part when the update raises"
+            raise RuntimeError("boom")
+        _update(i, views)
+
+    before = [t.clone() for ts in tensors for t in ts]
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.run(transfers, failing)
+    assert sched._loading == {}
+    for t, b in zip((t for ts in tensors for t in ts), before, strict=True):
+        t.copy_(b)  # the state as before the failed run
+    sched.run(transfers, _update)
+    for got, exp in zip(tensors, want, strict=True):
+        for a, b in zip(got, exp, strict=True):
+            assert torch.equal(a, b)

@@ -16,11 +16,12 @@ instead as
   (``tail_of``: in no load's waits; the last ring's slots), which the main graph so need not
   finish. They are not captured: after each main replay they are held (``prefetch.HeldTail``)
   and queued in small slices from the next backward, by a thread its first gradient hook
-  starts (``prefetch.pace_tail``, tail_pacer.py), two slices ahead of the one it waits for,
-  so that no small copy to the host that the forward or backward waits for (an MoE's
-  routing) queues behind all of them on the copy engine. The first slice waits for
-  external events that the main graph records (CUDA's event record nodes): each tail chunk's
-  update end, and the main graph's last store (``prefetch.stores_end``).
+  starts (``prefetch.pace_tail``, tail_pacer.py; a tail of two slices or less by the hook),
+  two slices ahead of the one it waits for, so that no small copy to the host that the
+  forward or backward waits for (an MoE's routing) queues behind all of them on the copy
+  engine. The first slice waits for external events that the main graph records (CUDA's
+  event record nodes): each tail chunk's update end, and the main graph's last store
+  (``prefetch.stores_end``).
 
 Head and main are captured as the main graph alone was (graphs.py), in one step, under one
 key: a key change drops both (the held stores queued first), a capture miss in either gives

@@ -14,9 +14,9 @@ beside them, the first loads and the last stores, so:
   would, after them on the same h2d stream (their bytes are the arena's, rewritten in order).
 - With ``prefetch=True`` (the default) an offloaded optimizer hooks each parameter's gradient
   accumulation (``register_post_accumulate_grad_hook``): the first hook starts the thread that
-  queues the stores a replayed step held back (``pace_tail``, tail_pacer.py), then the first
-  hook after they are all queued calls ``prefetch()``, so the first loads run under the rest
-  of backward.
+  queues the stores a replayed step held back, or queues them itself if they are few
+  (``pace_tail``, tail_pacer.py), then the first hook after they are all queued calls
+  ``prefetch()``, so the first loads run under the rest of backward.
 - An eager step on CUDA, while no CUDA graph is in use, leaves its stores running: the compute
   stream waits for the updates (parameters written, ``leave_stores``), not for the write-backs
   (while graphs are in use an eager step joins them: the capture that may follow waits on no
@@ -218,9 +218,10 @@ class HeldTail:
 
 def hold_tail(sched, tail: HeldTail) -> None:
     """After a main graph's replay: its left-out stores are held, not queued, until the next
-    backward's first gradient hook starts a thread that queues them in slices (``pace_tail``,
-    tail_pacer.py), or something needs them all (``launch_tail``): the next head's loads, a
-    run's, a host reader (``finish``), the graphs dropped.
+    backward's first gradient hook starts a thread that queues them in slices, or queues them
+    itself if they are few (``pace_tail``, tail_pacer.py), or something needs them all
+    (``launch_tail``): the next head's loads, a run's, a host reader (``finish``), the graphs
+    dropped.
 
     Queued at once, under the next forward, they held every small copy to the host that the
     forward waits for (an MoE's routing, ``.item()``) behind them on the one copy engine that

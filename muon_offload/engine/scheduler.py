@@ -155,7 +155,8 @@ class StreamScheduler:
         self._views = StagedViews()  # and what the algorithms keep of them (``chunk_memo``)
         # One (loaded, updated, stored) event each a streamed chunk, grown with the plans.
         self._loaded: list = []
-        self._loading: dict[int, tuple] = {}  # a load queued in part: (next piece, marks)
+        # A load queued in part, by its place k: (next piece, last holder waited for, marks).
+        self._loading: dict[int, tuple] = {}
         self._updated: list = []
         self._stored: list = []
         self.ahead = prefetch.Ahead()  # loads queued ahead of the next run, and the
@@ -289,7 +290,9 @@ class StreamScheduler:
                 joined = prefetch.leave_stores(self, forked)
         finally:
             # Also after an error: what follows sees every update and store, and a capture
-            # (graphs.py) ends with no stream left forked, even when no chunk is streamed.
+            # (graphs.py) ends with no stream left forked, even when no chunk is streamed. A
+            # load left in part (an error) is loaded afresh by whatever loads it next.
+            self._loading.clear()
             for stream in joined:
                 compute.wait_stream(stream)
 
@@ -310,7 +313,6 @@ class StreamScheduler:
             while next_load < len(streamed) and self._load(next_load, streamed[next_load], stored):
                 next_load += 1
 
-        self._loading.clear()  # left by a run that raised
         issue(-1)
         for i, transfer in enumerate(transfers):
             side = self._on_side[i]
