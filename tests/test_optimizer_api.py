@@ -274,6 +274,25 @@ def test_methods_of_the_optimizers_parts_are_its_own():
     assert opt.host_state_bytes == 0 and opt.staging_bytes == 0
 
 
+def test_a_method_of_the_optimizer_refuses_assignment():
+    """``opt.prefetch = False`` (the setting's name is the method's) raises and says where
+    the setting is given, rather than shadow the method that the backward hooks call; the
+    optimizer steps on as before. The other methods refuse as well."""
+    params = _model()
+    opt = Muon(_groups(params), lr=0.02, offload=True, chunk_bytes=2000)
+    for name in DELEGATED:
+        if callable(getattr(opt, name)):
+            with pytest.raises(AttributeError, match=f"Muon.{name} is a method"):
+                setattr(opt, name, False)
+    with pytest.raises(AttributeError, match="prefetch is a method.*its setting is the constr"):
+        opt.prefetch = False
+    for _ in range(2):
+        sum(p.square().sum() for p in params).backward()  # the hooks call opt.prefetch
+        opt.step()
+        opt.zero_grad()
+    assert opt.prefetch() is True  # the next step's first loads (at once on the CPU)
+
+
 # What the engine tells Settings.check of its algorithms: not the user's to set.
 
 

@@ -91,7 +91,7 @@ class ChunkedOptimizer(Optimizer):
     staging_bytes = Delegated("_tools", Tools.staging_bytes)
     timeline = Delegated("_tools", Tools.timeline)
     reconfigure = Delegated("_tools", Tools.reconfigure)
-    prefetch = Delegated("_prefetcher", Prefetcher.prefetch)
+    prefetch = Delegated("_prefetcher", Prefetcher.prefetch, "its setting is the constructor's")
     graph_stats = Delegated("_graphing", GraphRunner.stats)
 
     def __init__(
