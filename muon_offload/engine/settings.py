@@ -80,10 +80,12 @@ SETTINGS_DOC = f"""
         cuda_graph: ``"auto"`` (default): capture the step as a CUDA graph once it is stable
             and replay it while the gradients, parameters and state stay where they are
             (hyper-parameter changes reach the replay), wherever a graph can run (parameters
-            on CUDA, the Triton kernels, no ``distributed_mesh``, DTensor or ``closure``);
-            other steps run eagerly. ``True``: the same, but refuses what it cannot capture;
-            ``False``: never. The graph's memory pool (about one step's temporaries) is kept
-            from the caching allocator; see docs/usage.md ("CUDA graphs").
+            on CUDA, the Triton kernels, no ``closure``, and the collectives of a
+            ``distributed_mesh`` or of DTensor parameters, if any, through NCCL in one
+            process); other steps run eagerly. ``True``: the same, NCCL collectives across
+            processes included, but refuses what it cannot capture; ``False``: never. The
+            graph's memory pool (about one step's temporaries) is kept from the caching
+            allocator; see docs/usage.md ("CUDA graphs").
         prefetch: with offload, the first gradient accumulated in backward starts loading the
             next step's first chunks of state (``prefetch()``; default True). ``False``: no
             hooks.
