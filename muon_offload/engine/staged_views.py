@@ -50,8 +50,8 @@ class StagedViews:
             for holder, lo, hi in spans:
                 pieces = []
                 for run, (host, staged) in zip(transfer.runs, runs, strict=True):
-                    a, b = max(lo, run.offset) - run.offset, min(hi, run.offset + host.numel())
-                    b -= run.offset
+                    a = max(lo - run.offset, 0)  # the span's bytes in the run's
+                    b = min(hi - run.offset, host.numel())
                     if a < b:
                         pieces.append((host[a:b], staged[a:b]))
                 if pieces:
